@@ -1,0 +1,106 @@
+"""AdamS: Adam whose second moment is rebuilt from the momentum each step (SCAPE_SPEC section 2).
+
+AdamS keeps one state tensor, the first moment m. Its second-moment term is
+
+    nu = b2 * (m_prev / c)**2 + (1 - b2) * g**2,   c = 1 - b1**t (bias correction),
+
+so it needs no exp_avg_sq: half of Adam's optimizer memory. It takes AdamW's hyperparameters unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_scape.kernels import dense_adams
+
+
+def state_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
+    """Optimizer state is kept in fp32 at least (fp64 parameters keep fp64 state)."""
+    return torch.promote_types(param_dtype, torch.float32)
+
+
+class AdamS(Optimizer):
+    """The AdamS optimizer.
+
+    Args:
+        params: Parameters or param groups; every group may override any of the arguments below.
+        lr: Learning rate; AdamW's value for the same model carries over.
+        betas: (b1, b2). b1 drives the momentum that SCAPE's masks are built from; (0.9, 0.95) is the
+            usual LLM choice.
+        eps: Denominator epsilon; raise to 1e-6 for bf16-heavy runs where nu underflows.
+        weight_decay: Decoupled weight decay (``theta *= 1 - lr * wd``); 0.1 is the LLM default, use 0 for
+            norms and biases through a separate param group.
+        bias_correction: Divide the momenta by ``1 - b1**t``, as the authors' public code does. Turn off
+            only to reproduce the paper's text.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = AdamS(model.parameters(), lr=1e-3)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        bias_correction: bool = True,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"AdamS: lr={lr} must be >= 0.")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"AdamS: betas={betas} must both lie in [0, 1).")
+        if not eps >= 0.0:
+            raise ValueError(f"AdamS: eps={eps} must be >= 0.")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"AdamS: weight_decay={weight_decay} must be >= 0.")
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One AdamS step over every parameter that has a gradient.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss (run with gradients enabled).
+
+        Returns:
+            The closure's loss, if a closure was given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamS does not support sparse gradients; use a dense embedding.")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype_for(p.dtype))
+                state["step"] += 1
+                dense_adams(
+                    p,
+                    state["exp_avg"],
+                    p.grad,
+                    step=int(state["step"].item()),
+                    lr=group["lr"],
+                    beta1=b1,
+                    beta2=b2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    bias_correction=group["bias_correction"],
+                )
+        return loss

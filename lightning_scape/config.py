@@ -1,0 +1,152 @@
+"""The one validated configuration of the SCAPE engine (see ``docs/algorithm.md``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+MaskStatistic = Literal["momentum", "gradient", "random"]
+UnmaskedUpdate = Literal["frozen", "momentum"]
+
+MASK_STATISTICS: tuple[str, ...] = ("momentum", "gradient", "random")
+UNMASKED_UPDATES: tuple[str, ...] = ("frozen", "momentum")
+
+# A chunk-local index is stored as int16, so a chunk holds at most 2**15 coordinates.
+MAX_CHUNK_SIZE = 32768
+
+
+@dataclass(frozen=True)
+class ScapeConfig:
+    """Everything that decides what SCAPE sends and how it updates the parameters.
+
+    Args:
+        density: Fraction d of the coordinates sent per step, in (0, 1]. 0.01 sends 1% of the gradient
+            values (about 67x fewer bytes than ZeRO-1 in sharded mode); 0.1 is the safe choice for
+            short runs. Each chunk gets ``max(1, round(density * chunk_size))`` slots, so the effective
+            density is ``slots_per_chunk / chunk_size``.
+        chunk_size: Coordinates per mask chunk C, a power of two <= 32768 (indices are int16). Larger
+            chunks let top-k pick more freely; smaller ones make the per-chunk slot count coarse
+            (C * d should be >= 8 for the statistic to matter). Buckets are padded to a multiple of
+            ``world_size * chunk_size``, so tiny models want a small chunk.
+        sharded: True keeps momentum only for the shard this rank owns (ZeRO-1 memory: 4/W bytes per
+            parameter) and sends reduce-scatter + parameter all-gather + mask indices. False keeps the
+            full momentum on every rank and sends one all-reduce of the values, no parameters or
+            indices; use it when memory is plentiful or for ``unmasked_update="momentum"``.
+        dense_warmup_steps: Optimizer steps run as dense data-parallel AdamS before the first mask.
+            The momentum built there seeds the first mask; a few hundred steps (about 1% of a run) is
+            typical, 0 starts sparse at once with an all-zero statistic.
+        mask_delay: A mask built at the end of step t is used at step t + mask_delay. 1 (the paper's
+            choice) lets the mask all-gather overlap a whole forward pass; 0 builds the mask from the
+            current gradient inside the backward pass and waits for it (no overlap, freshest mask).
+        mask_refresh_interval: Build a new mask every R steps and reuse it in between; index traffic
+            becomes 2/R bytes per slot. 1 is best for quality; raise it only on very slow links.
+        mask_statistic: How an owner scores its coordinates. ``"momentum"`` (default) uses
+            ``|b1*m + (1-b1)*e|``, the paper's first-moment mask with this rank's residual folded in;
+            ``"gradient"`` uses ``|e|`` (raw-gradient top-k with error feedback, the baseline);
+            ``"random"`` draws slots from a seed shared by all ranks (no index traffic).
+        exploration: Fraction of each chunk's slots given to round-robin exploration, in [0, 1).
+            With k_e exploration slots every coordinate is sent at least once per C / k_e refreshes,
+            which bounds the age of any residual. 0.1 costs little; 0 lets rarely-large coordinates
+            starve.
+        unmasked_update: What happens to coordinates outside the mask. ``"frozen"``: momentum frozen,
+            parameter changes only by weight decay (works sharded and replicated). ``"momentum"``
+            (replicated only): every rank applies AdamS with g = 0 outside the mask, so every
+            coordinate moves every step along its momentum.
+        staleness_correction: Divide the averaged value by the number of steps since the coordinate
+            was last sent, in the second-moment term only, so a residual flushed after tau steps does
+            not inflate the normaliser.
+        catch_up: Scale the update of a coordinate sent after tau steps away by ``min(tau,
+            catch_up_cap)``, as if its accumulated gradient had been applied over those steps.
+        catch_up_cap: Upper bound on the catch-up factor; keep it small (4-16) for stability.
+        sparse_lr_scale: Multiplier on the learning rate of the AdamS update in sparse steps (weight
+            decay keeps the group's learning rate).
+        bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
+            communicating earlier in the backward pass but cost more launches; 25 is DDP's default.
+        seed: Seed of the shared random generator (``mask_statistic="random"``).
+        collective_timeout_s: Seconds a wait on a collective may take before the engine raises an
+            error naming the collective (real process groups also use their own timeout).
+    """
+
+    density: float = 0.01
+    chunk_size: int = 4096
+    sharded: bool = True
+    dense_warmup_steps: int = 100
+    mask_delay: int = 1
+    mask_refresh_interval: int = 1
+    mask_statistic: MaskStatistic = "momentum"
+    exploration: float = 0.1
+    unmasked_update: UnmaskedUpdate = "frozen"
+    staleness_correction: bool = False
+    catch_up: bool = False
+    catch_up_cap: float = 8.0
+    sparse_lr_scale: float = 1.0
+    bucket_cap_mb: float = 25.0
+    seed: int = 0
+    collective_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def slots_per_chunk(self) -> int:
+        """k_c: the number of mask slots in every chunk."""
+        return max(1, round(self.density * self.chunk_size))
+
+    @property
+    def explore_slots_per_chunk(self) -> int:
+        """k_e: the round-robin exploration slots among the k_c slots of a chunk."""
+        return min(self.slots_per_chunk, round(self.exploration * self.slots_per_chunk))
+
+    @property
+    def effective_density(self) -> float:
+        """The density actually sent: ``slots_per_chunk / chunk_size``."""
+        return self.slots_per_chunk / self.chunk_size
+
+    def replace(self, **changes: Any) -> ScapeConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict, for checkpoints and logging."""
+        return dataclasses.asdict(self)
+
+
+def _validate(cfg: ScapeConfig) -> None:
+    def fail(msg: str) -> None:
+        raise ValueError(f"Invalid ScapeConfig: {msg}")
+
+    if not isinstance(cfg.density, (int, float)) or not (0.0 < cfg.density <= 1.0) or math.isnan(cfg.density):
+        fail(f"density={cfg.density!r} must lie in (0, 1]; use e.g. 0.01 to send 1% of the gradient.")
+    c = cfg.chunk_size
+    if not isinstance(c, int) or c < 1 or c & (c - 1) != 0 or c > MAX_CHUNK_SIZE:
+        fail(
+            f"chunk_size={c!r} must be a power of two between 1 and {MAX_CHUNK_SIZE} "
+            "(chunk-local indices are int16); 4096 is the default."
+        )
+    if not isinstance(cfg.dense_warmup_steps, int) or cfg.dense_warmup_steps < 0:
+        fail(f"dense_warmup_steps={cfg.dense_warmup_steps!r} must be an integer >= 0.")
+    if not isinstance(cfg.mask_delay, int) or cfg.mask_delay < 0:
+        fail(f"mask_delay={cfg.mask_delay!r} must be an integer >= 0 (1 overlaps the mask all-gather).")
+    if not isinstance(cfg.mask_refresh_interval, int) or cfg.mask_refresh_interval < 1:
+        fail(f"mask_refresh_interval={cfg.mask_refresh_interval!r} must be an integer >= 1.")
+    if cfg.mask_statistic not in MASK_STATISTICS:
+        fail(f"mask_statistic={cfg.mask_statistic!r} is unknown; choose one of {MASK_STATISTICS}.")
+    if not (0.0 <= cfg.exploration < 1.0):
+        fail(f"exploration={cfg.exploration!r} must lie in [0, 1); 0.1 is the default.")
+    if cfg.unmasked_update not in UNMASKED_UPDATES:
+        fail(f"unmasked_update={cfg.unmasked_update!r} is unknown; choose one of {UNMASKED_UPDATES}.")
+    if cfg.unmasked_update == "momentum" and cfg.sharded:
+        fail(
+            'unmasked_update="momentum" needs the full momentum on every rank; '
+            "set sharded=False, or keep unmasked_update='frozen' with sharding."
+        )
+    if not (cfg.catch_up_cap >= 1.0):
+        fail(f"catch_up_cap={cfg.catch_up_cap!r} must be >= 1.")
+    if not (cfg.sparse_lr_scale > 0.0):
+        fail(f"sparse_lr_scale={cfg.sparse_lr_scale!r} must be > 0.")
+    if not (cfg.bucket_cap_mb > 0.0):
+        fail(f"bucket_cap_mb={cfg.bucket_cap_mb!r} must be > 0.")
+    if not (cfg.collective_timeout_s > 0.0):
+        fail(f"collective_timeout_s={cfg.collective_timeout_s!r} must be > 0.")

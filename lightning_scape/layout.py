@@ -1,0 +1,127 @@
+"""The flat layout: trainable parameters cut into buckets, shards and chunks.
+
+A bucket holds parameters of one param group, dtype and device, in the order their gradients are
+expected (reverse of the model's registration order, as DDP does). It is padded to a multiple of
+``world_size * chunk_size`` and cut into ``world_size`` equal shards; rank r owns shard r of every bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamPlace:
+    """Where one parameter lives in its bucket."""
+
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+
+
+@dataclass
+class Bucket:
+    """Geometry of one communication bucket."""
+
+    index: int
+    group_index: int
+    dtype: torch.dtype
+    device: torch.device
+    places: list[ParamPlace] = field(default_factory=list)
+    numel: int = 0  # real elements
+    padded_numel: int = 0  # multiple of world_size * chunk_size
+    world_size: int = 1
+    chunk_size: int = 1
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one rank's shard."""
+        return self.padded_numel // self.world_size
+
+    @property
+    def chunks_per_shard(self) -> int:
+        """n_c: chunks in a shard."""
+        return self.shard_numel // self.chunk_size
+
+    @property
+    def chunks(self) -> int:
+        """Chunks in the whole bucket (``world_size * chunks_per_shard``)."""
+        return self.padded_numel // self.chunk_size
+
+
+def trainable_param_groups(
+    param_groups: list[dict[str, object]],
+) -> list[list[torch.nn.Parameter]]:
+    """Per group, the trainable parameters, each parameter once over all groups (tied weights count once)."""
+    seen: set[int] = set()
+    out: list[list[torch.nn.Parameter]] = []
+    for group in param_groups:
+        params: list[torch.nn.Parameter] = []
+        for p in group["params"]:  # type: ignore[attr-defined]
+            if not isinstance(p, torch.nn.Parameter) or not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            params.append(p)
+        out.append(params)
+    return out
+
+
+def build_buckets(
+    param_groups: list[dict[str, object]],
+    world_size: int,
+    chunk_size: int,
+    bucket_cap_mb: float,
+    param_order: list[torch.nn.Parameter] | None = None,
+) -> list[Bucket]:
+    """Assign every trainable parameter to a bucket.
+
+    Args:
+        param_groups: The optimizer's param groups.
+        world_size: W.
+        chunk_size: C.
+        bucket_cap_mb: Target bucket size in MiB of parameter storage (a larger parameter gets a bucket
+            of its own).
+        param_order: The model's parameters in registration order (``list(model.parameters())``), used
+            to predict the gradient order; default: the order of the param groups.
+
+    Returns:
+        Buckets ordered by when their last gradient is expected, which is the launch order.
+    """
+    groups = trainable_param_groups(param_groups)
+    group_of = {id(p): gi for gi, ps in enumerate(groups) for p in ps}
+    order = [p for ps in groups for p in ps]
+    if param_order is not None:
+        rank_in_model = {id(p): i for i, p in enumerate(param_order)}
+        order.sort(key=lambda p: rank_in_model.get(id(p), -1))
+    order.reverse()  # gradients arrive last-layer first
+    open_buckets: dict[tuple[int, torch.dtype, torch.device], Bucket] = {}
+    closed: list[tuple[int, Bucket]] = []
+    last_seen: dict[int, int] = {}
+    for pos, p in enumerate(order):
+        if p.is_sparse:
+            raise ValueError("SCAPE cannot flatten sparse parameters; use dense parameters.")
+        key = (group_of[id(p)], p.dtype, p.device)
+        cap = max(1, int(bucket_cap_mb * 2**20) // p.element_size())
+        b = open_buckets.get(key)
+        if b is not None and b.numel > 0 and b.numel + p.numel() > cap:
+            closed.append((last_seen[id(b)], b))
+            b = None
+        if b is None:
+            b = Bucket(index=-1, group_index=key[0], dtype=p.dtype, device=p.device)
+            open_buckets[key] = b
+        b.places.append(ParamPlace(p, b.numel, p.numel()))
+        b.numel += p.numel()
+        last_seen[id(b)] = pos
+    closed.extend((last_seen[id(b)], b) for b in open_buckets.values())
+    closed.sort(key=lambda item: item[0])
+    buckets = [b for _, b in closed]
+    unit = world_size * chunk_size
+    for i, b in enumerate(buckets):
+        b.index = i
+        b.world_size = world_size
+        b.chunk_size = chunk_size
+        b.padded_numel = max(1, math.ceil(b.numel / unit)) * unit
+    return buckets
