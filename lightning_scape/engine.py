@@ -533,13 +533,15 @@ class ScapeEngine:
         if cfg.mask_delay == 0:
             return
         for bs in self.buckets:
+            # Called from inside a step the queue still holds the mask in use, popped after the step.
+            target = cfg.mask_delay + (1 if bs.masks else 0)
             if new or bs.last_built is None:
                 bs.last_built = self._build_mask(
                     bs,
                     bs.owned(bs.momentum, cfg.sharded, self.rank),
                     bs.owned(bs.region_residual, cfg.sharded, self.rank),
                 )
-            while len(bs.masks) < cfg.mask_delay + (1 if bs.masks else 0):
+            while len(bs.masks) < target:
                 bs.masks.append(bs.last_built)
         if new:
             self.refresh_count += 1

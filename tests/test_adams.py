@@ -1,0 +1,124 @@
+"""AdamS against an independent, element-by-element fp64 implementation of SCAPE_SPEC section 2."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from lightning_scape import AdamS
+
+
+def spec_adams(theta: list[float], m: list[float], g: list[float], t: int, lr: float, b1: float, b2: float,
+               eps: float, wd: float, bias_correction: bool) -> tuple[list[float], list[float]]:
+    """The spec's formula with Python floats, one coordinate at a time."""
+    c = 1 - b1**t if bias_correction else 1.0
+    new_theta, new_m = [], []
+    for th, mp, gi in zip(theta, m, g, strict=True):
+        th = th * (1 - lr * wd)
+        nu = b2 * (mp / c) ** 2 + (1 - b2) * gi**2
+        mn = b1 * mp + (1 - b1) * gi
+        th = th - lr * (mn / c) / (math.sqrt(nu) + eps)
+        new_theta.append(th)
+        new_m.append(mn)
+    return new_theta, new_m
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_matches_the_spec_formula_over_steps(bias_correction: bool) -> None:
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(7, dtype=torch.float64))
+    opt = AdamS([p], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.3, bias_correction=bias_correction)
+    theta, m = p.detach().tolist(), [0.0] * 7
+    for t in range(1, 6):
+        g = torch.randn(7, dtype=torch.float64)
+        p.grad = g.clone()
+        opt.step()
+        theta, m = spec_adams(theta, m, g.tolist(), t, 0.01, 0.8, 0.9, 1e-6, 0.3, bias_correction)
+        assert p.detach().tolist() == pytest.approx(theta, rel=1e-12, abs=1e-14)
+        assert opt.state[p]["exp_avg"].tolist() == pytest.approx(m, rel=1e-12, abs=1e-14)
+
+
+def test_first_step_size_is_about_lr_over_sqrt_one_plus() -> None:
+    # Hand-worked: t=1, m_prev=0, g=2: nu = (1-b2) g^2 = 0.05*4 = 0.2, m = 0.1*2 = 0.2, c = 0.1,
+    # step = lr * (0.2/0.1) / (sqrt(0.2) + 0) = lr * 2 / 0.4472 = 4.472 lr.
+    p = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    p.grad = torch.tensor([2.0], dtype=torch.float64)
+    AdamS([p], lr=0.01, eps=0.0, weight_decay=0.0).step()
+    assert p.item() == pytest.approx(1.0 - 0.01 * 2 / math.sqrt(0.2), rel=1e-12)
+
+
+def test_param_groups_use_their_own_hyperparameters_and_skip_params_without_grad() -> None:
+    a = torch.nn.Parameter(torch.ones(3))
+    b = torch.nn.Parameter(torch.ones(3))
+    unused = torch.nn.Parameter(torch.ones(3))
+    opt = AdamS([{"params": [a]}, {"params": [b, unused], "lr": 0.1, "weight_decay": 0.0}], lr=0.01)
+    a.grad = torch.ones(3)
+    b.grad = torch.ones(3)
+    opt.step()
+    # First step with g=1: the Adam direction is exactly 1 / (sqrt(1 - b2) / (1 - b2)^0 ...) -> see spec:
+    # c = 0.1, m = 0.1, nu = 0.05, step = lr * 1 / sqrt(0.05).
+    unit = 1 / math.sqrt(0.05)
+    assert a.detach() == pytest.approx(torch.full((3,), 1 * (1 - 0.01 * 0.1) - 0.01 * unit), rel=1e-5)
+    assert b.detach() == pytest.approx(torch.full((3,), 1 - 0.1 * unit), rel=1e-5)
+    assert torch.equal(unused.detach(), torch.ones(3)) and unused not in opt.state
+
+
+def test_closure_is_evaluated_with_grad_enabled_and_returned() -> None:
+    p = torch.nn.Parameter(torch.tensor([3.0]))
+    opt = AdamS([p], lr=0.1)
+
+    def closure() -> float:
+        opt.zero_grad()
+        loss = (p**2).sum()
+        loss.backward()
+        return float(loss.detach())
+
+    assert opt.step(closure) == pytest.approx(9.0)
+    assert p.item() < 3.0
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    twin = torch.nn.Linear(5, 3)
+    twin.load_state_dict(model.state_dict())
+    opt = AdamS(model.parameters(), lr=0.05)
+    data = [torch.randn(4, 5) for _ in range(6)]
+    for x in data[:3]:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    twin.load_state_dict(model.state_dict())
+    twin_opt = AdamS(twin.parameters(), lr=0.05)
+    # Through serialization, as a checkpoint would (load_state_dict keeps same-dtype tensors by reference).
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    twin_opt.load_state_dict(torch.load(buf))
+    for x in data[3:]:
+        for m, o in ((model, opt), (twin, twin_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_bf16_parameters_keep_fp32_momentum() -> None:
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    p.grad = torch.full((4,), 0.5, dtype=torch.bfloat16)
+    opt = AdamS([p], lr=0.01)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.float32
+    assert p.dtype == torch.bfloat16 and (p < 1).all()
+
+
+def test_invalid_hyperparameters_raise() -> None:
+    p = [torch.nn.Parameter(torch.ones(1))]
+    with pytest.raises(ValueError, match="betas"):
+        AdamS(p, betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="lr"):
+        AdamS(p, lr=-1.0)

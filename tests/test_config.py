@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from lightning_scape import ScapeConfig
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"density": 0.0}, "density=0.0 must lie in (0, 1]"),
+        ({"density": 1.5}, "density=1.5 must lie in (0, 1]"),
+        ({"density": float("nan")}, "density=nan"),
+        ({"chunk_size": 1000}, "chunk_size=1000 must be a power of two"),
+        ({"chunk_size": 65536}, "chunk_size=65536 must be a power of two between 1 and 32768"),
+        ({"chunk_size": 0}, "chunk_size=0"),
+        ({"mask_statistic": "hessian"}, "mask_statistic='hessian' is unknown"),
+        ({"exploration": 1.0}, "exploration=1.0 must lie in [0, 1)"),
+        ({"exploration": -0.1}, "exploration=-0.1"),
+        ({"unmasked_update": "momentum"}, "set sharded=False"),
+        ({"unmasked_update": "decay"}, "unmasked_update='decay' is unknown"),
+        ({"mask_delay": -1}, "mask_delay=-1"),
+        ({"mask_refresh_interval": 0}, "mask_refresh_interval=0"),
+        ({"dense_warmup_steps": -5}, "dense_warmup_steps=-5"),
+        ({"catch_up_cap": 0.5}, "catch_up_cap=0.5"),
+        ({"sparse_lr_scale": 0.0}, "sparse_lr_scale=0.0"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb=0"),
+    ],
+)
+def test_invalid_configuration_says_what_to_change(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match="Invalid ScapeConfig") as err:
+        ScapeConfig(**changes)  # type: ignore[arg-type]
+    assert message in str(err.value)
+
+
+def test_defaults_follow_the_spec() -> None:
+    cfg = ScapeConfig()
+    assert cfg.density == 0.01 and cfg.chunk_size == 4096 and cfg.sharded
+    assert cfg.mask_delay == 1 and cfg.mask_refresh_interval == 1 and cfg.mask_statistic == "momentum"
+    assert cfg.exploration == 0.1 and cfg.unmasked_update == "frozen"
+    # k_c = round(d C) = round(40.96) = 41 slots; k_e = round(0.1 * 41) = 4.
+    assert cfg.slots_per_chunk == 41 and cfg.explore_slots_per_chunk == 4
+    assert cfg.effective_density == pytest.approx(41 / 4096)
+
+
+def test_small_density_keeps_one_slot_per_chunk() -> None:
+    cfg = ScapeConfig(density=1e-6, chunk_size=64)
+    assert cfg.slots_per_chunk == 1
+
+
+def test_replace_validates_and_config_pickles() -> None:
+    cfg = ScapeConfig(density=0.1)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    assert cfg.replace(sharded=False, unmasked_update="momentum").unmasked_update == "momentum"
+    with pytest.raises(ValueError):
+        cfg.replace(density=2.0)

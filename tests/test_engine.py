@@ -1,0 +1,405 @@
+"""The SCAPE engine in one process: world size 1 and the W-rank thread simulation."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from _scape_worker import make_batch, make_model, param_groups, reference_dense_adams, run_worker
+from torch import nn
+
+from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
+from lightning_scape.comm import Communicator, Pending, SoloCommunicator
+from lightning_scape.kernels import chunk_topk_ref, mask_positions, mask_scores_ref
+
+
+def sim(world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return simulate(world_size, lambda rank, comm: run_worker(rank, comm, spec))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+# ---------------------------------------------------------------- density 1 is data-parallel AdamS
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("sharded", [True, False])
+def test_density_one_reproduces_data_parallel_adams(world_size: int, sharded: bool) -> None:
+    spec = {"steps": 20, "config": {"density": 1.0, "chunk_size": 32, "dense_warmup_steps": 0,
+                                    "sharded": sharded, "exploration": 0.0}}
+    ref = reference_dense_adams(spec, world_size)
+    for rank_out in sim(world_size, spec):
+        for step in range(20):
+            assert rel_err(rank_out["params"][step], ref[step]) < 1e-6, step
+
+
+def test_dense_warmup_steps_are_data_parallel_adams() -> None:
+    spec = {"steps": 6, "config": {"density": 0.01, "chunk_size": 64, "dense_warmup_steps": 6}}
+    ref = reference_dense_adams(spec, 2)
+    out = sim(2, spec)
+    for step in range(6):
+        assert rel_err(out[0]["params"][step], ref[step]) < 1e-6
+
+
+# ---------------------------------------------------------------- replicas, mass, masks
+
+
+@pytest.mark.parametrize("cfg", [
+    {"sharded": True},
+    {"sharded": False},
+    {"sharded": False, "unmasked_update": "momentum"},
+    {"mask_statistic": "gradient"},
+    {"mask_statistic": "random"},
+    {"mask_delay": 0},
+    {"mask_delay": 2, "mask_refresh_interval": 3},
+    {"staleness_correction": True, "catch_up": True},
+])
+def test_replicas_stay_bitwise_identical_at_low_density(cfg: dict[str, Any]) -> None:
+    spec = {"steps": 8, "config": {"density": 0.02, "chunk_size": 256, "dense_warmup_steps": 2, **cfg}}
+    out = sim(4, spec)
+    for step in range(8):
+        for r in range(1, 4):
+            assert torch.equal(out[0]["params"][step], out[r]["params"][step]), (step, r)
+    # ... and sparse steps really moved the parameters.
+    assert not torch.equal(out[0]["params"][3], out[0]["params"][7])
+
+
+def test_bf16_parameters_replicas_identical_and_two_byte_values() -> None:
+    spec = {"steps": 5, "dtype": "bfloat16",
+            "config": {"density": 0.05, "chunk_size": 128, "dense_warmup_steps": 1}}
+    out = sim(2, spec)
+    for step in range(5):
+        assert torch.equal(out[0]["params"][step], out[1]["params"][step])
+    slots = out[0]["slots"]
+    assert out[0]["sent"][-1]["values"] == (2 - 1) * slots * 2 // 2  # (W-1)/W * dN * 2 bytes
+
+
+def test_no_gradient_mass_is_lost_exactly() -> None:
+    """Integer-valued fp64 gradients make every sum exact: sum_t g = sent + residual, per rank and coordinate."""
+    W, steps = 2, 12
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=0, exploration=0.25)
+
+    def worker(rank: int, comm: Communicator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model = make_model(0, torch.float64)
+        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-3), cfg, comm)
+        (bs,) = engine.buckets  # one bucket: the whole model fits under bucket_cap_mb
+        gen = torch.Generator().manual_seed(rank)
+        grad_sum = torch.zeros_like(bs.residual)
+        sent = torch.zeros_like(bs.residual)
+        for _ in range(steps):
+            for p in model.parameters():
+                p.grad = torch.randint(-1000, 1000, p.shape, generator=gen).double()
+            mask = engine.current_masks()[0]
+            engine.step()  # no backward: the step synchronises the gradients it finds
+            grad_sum += bs.grads
+            sent.index_add_(0, mask_positions(mask, cfg.chunk_size), bs.values)
+            engine.zero_grad()
+        return grad_sum, sent, bs.residual.clone()
+
+    results = simulate(W, worker)
+    for grad_sum, sent, residual in results:
+        assert torch.equal(grad_sum, sent + residual)
+        assert sent.abs().sum() > 0 and residual.abs().sum() > 0
+    total_g = sum(r[0] for r in results)
+    total_sent_and_kept = sum(r[1] + r[2] for r in results)
+    assert torch.equal(total_g, total_sent_and_kept)
+
+
+def test_masks_lie_in_their_owners_shards_with_distinct_slots() -> None:
+    W = 2
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=2, bucket_cap_mb=1.0)
+
+    def worker(rank: int, comm: Communicator) -> dict[str, Any]:
+        model = make_model(0)
+        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, comm)
+        for step in range(4):
+            x, y = make_batch(rank, step)
+            (model(x) - y).pow(2).mean().backward()
+            engine.step()
+            engine.zero_grad()
+        bs = engine.buckets[0]
+        own_scores = mask_scores_ref(bs.momentum, bs.region_residual, 0.9, "momentum")
+        own = chunk_topk_ref(own_scores, cfg.chunk_size, cfg.slots_per_chunk, cfg.explore_slots_per_chunk,
+                             ((engine.refresh_count - 1) * cfg.explore_slots_per_chunk) % cfg.chunk_size)
+        return {"mask": engine.last_built_masks()[0].clone(), "own": own, "S": bs.layout.shard_numel,
+                "n_c": bs.layout.chunks_per_shard}
+
+    out = simulate(W, worker)
+    assert torch.equal(out[0]["mask"], out[1]["mask"])  # every rank knows the whole mask
+    mask, S, n_c, k = out[0]["mask"], out[0]["S"], out[0]["n_c"], cfg.slots_per_chunk
+    assert mask.shape == (W * n_c, k)
+    for row in mask.long():
+        assert len(set(row.tolist())) == k and row.min() >= 0 and row.max() < cfg.chunk_size
+        assert torch.equal(row, row.sort().values)
+    pos = mask_positions(mask, cfg.chunk_size).view(W, -1)
+    for r in range(W):
+        assert pos[r].min() >= r * S and pos[r].max() < (r + 1) * S
+        # Rank r's rows are exactly what rank r computed from its own momentum and residual.
+        assert torch.equal(mask[r * n_c : (r + 1) * n_c], out[r]["own"])
+
+
+def test_exploration_flushes_every_coordinate_within_c_over_k_explore_steps() -> None:
+    cfg = ScapeConfig(density=0.125, chunk_size=64, dense_warmup_steps=1, exploration=0.5, bucket_cap_mb=1.0)
+    k_e = cfg.explore_slots_per_chunk
+    assert k_e == 4
+    model = make_model(0)
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg)
+    covered = None
+    horizon = math.ceil(cfg.chunk_size / k_e)
+    for step in range(1 + horizon):
+        if not engine.in_warmup:
+            used = torch.zeros(engine.buckets[0].layout.padded_numel, dtype=torch.bool)
+            used[mask_positions(engine.current_masks()[0], cfg.chunk_size)] = True
+            covered = used if covered is None else covered | used
+        x, y = make_batch(0, step)
+        (model(x) - y).pow(2).mean().backward()
+        engine.step()
+        engine.zero_grad()
+    assert covered is not None and bool(covered.all())
+    assert engine.oldest_unsent_age() <= horizon
+
+
+def test_the_delayed_mask_is_the_one_built_a_step_earlier() -> None:
+    for delay in (1, 2):
+        spec = {"steps": 7, "config": {"density": 0.05, "chunk_size": 64, "dense_warmup_steps": 2,
+                                       "mask_delay": delay}}
+        out = sim(2, spec)[0]
+        used, built = out["masks_used"], out["masks_built"]
+        # built[j] was built at the end of step warmup + j (j = 0: the end of warm-up); used[i] is the mask
+        # of step warmup + 1 + i, which must be the one built at the end of step warmup + 1 + i - delay.
+        assert len(used) == 5
+        for i in range(delay - 1, len(used)):
+            for u, b in zip(used[i], built[i + 1 - delay], strict=True):
+                assert torch.equal(u, b)
+        if delay == 2:  # the first sparse steps both use the warm-up mask
+            assert all(torch.equal(u, b) for u, b in zip(used[0], built[0], strict=True))
+        assert any(not torch.equal(a, b) for a, b in zip(built[0], built[-1], strict=True))
+
+
+def test_the_engine_compacts_with_the_queued_mask() -> None:
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=1, bucket_cap_mb=1.0)
+    model = make_model(0, torch.float64)
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg)
+    for step in range(4):
+        x, y = make_batch(0, step, torch.float64)
+        queued = None if engine.in_warmup else engine.current_masks()[0].clone()
+        (model(x) - y).pow(2).mean().backward()
+        engine.step()
+        engine.zero_grad()
+        if queued is not None:
+            res = engine.buckets[0].residual
+            zero = res == 0
+            pos = mask_positions(queued, cfg.chunk_size)
+            assert bool(zero[pos].all())
+            real = torch.zeros_like(zero)
+            real[: engine.buckets[0].layout.numel] = True
+            assert int((zero & real).sum()) <= pos.numel()  # zeros at the mask only
+
+
+def test_mask_refresh_interval_reuses_masks_and_sends_indices_every_r_steps() -> None:
+    spec = {"steps": 9, "config": {"density": 0.05, "chunk_size": 64, "dense_warmup_steps": 2,
+                                   "mask_refresh_interval": 3}}
+    out = sim(2, spec)[0]
+    idx_bytes = [s["indices"] for s in out["sent"]]
+    # Built at the end of warm-up (step 2) and then at steps 5 and 8.
+    assert [b > 0 for b in idx_bytes] == [False, True, False, False, True, False, False, True, False]
+    assert all(torch.equal(a, b) for a, b in zip(out["masks_used"][0], out["masks_used"][2], strict=True))
+
+
+# ---------------------------------------------------------------- bytes
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("sharded", [True, False])
+def test_counters_equal_the_bytes_formula(world_size: int, sharded: bool) -> None:
+    W = world_size
+    spec = {"steps": 5, "config": {"density": 0.03, "chunk_size": 128, "dense_warmup_steps": 2,
+                                   "sharded": sharded}}
+    out = sim(W, spec)[0]
+    N, n_real, b, bi = out["padded_numel"], out["numel"], 4, 2
+    dN = out["slots"]
+    cfg = ScapeConfig(**spec["config"])
+    assert dN == round(cfg.effective_density * N)
+    for step in range(5):
+        sent = out["sent"][step]
+        warm = step < 2
+        if warm:
+            expect_dense = (W - 1) * N * (b + b) // W if sharded else 2 * (W - 1) * N * b // W
+            assert sent["dense"] == expect_dense and sent["values"] == 0
+        else:
+            assert sent["dense"] == 0
+            if sharded:
+                assert sent["values"] == (W - 1) * dN * b // W  # reduce-scatter
+                assert sent["params"] == (W - 1) * dN * b // W  # all-gather of d N / W per rank
+            else:
+                assert sent["values"] == 2 * (W - 1) * dN * b // W and sent["params"] == 0
+        # The mask built at the end of warm-up and of every sparse step (partitioned: sharded only).
+        expect_idx = (W - 1) * dN * bi // W if (sharded and step >= 1) else 0
+        assert sent["indices"] == expect_idx
+        assert out["dense_eq"][step] == 2 * (W - 1) * n_real * b // W
+    total = sum(out["sent"][-1].values())
+    if sharded:
+        assert total == (W - 1) * dN * (b + b + bi) // W  # SCAPE_SPEC section 4, R = 1
+
+
+def test_world_size_one_sends_nothing() -> None:
+    out = sim(1, {"steps": 3, "config": {"density": 0.05, "chunk_size": 64, "dense_warmup_steps": 1}})[0]
+    assert all(v == 0 for s in out["sent"] for v in s.values())
+
+
+# ---------------------------------------------------------------- overlap, hooks, accumulation
+
+
+class _SpyComm(SoloCommunicator):
+    """World size 1, recording which parameters already had a gradient when each collective launched."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.launches: list[tuple[str, int]] = []
+        self.grad_seen: set[int] = set()
+
+    def reduce_scatter_sum(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        self.launches.append(("reduce_scatter", len(self.grad_seen)))
+        return super().reduce_scatter_sum(output, input)
+
+
+def test_bucket_collectives_launch_during_backward() -> None:
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
+    params = list(model.parameters())
+    spy = _SpyComm(params)
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: spy.grad_seen.add(id(p)))
+    # 64*64*4 bytes = 16 KiB per weight: a 20 KiB cap gives one layer per bucket.
+    cfg = ScapeConfig(density=0.1, chunk_size=64, dense_warmup_steps=0, bucket_cap_mb=20 / 1024)
+    engine = ScapeEngine(AdamS(params, lr=1e-3), cfg, spy, param_order=params)
+    assert len(engine.buckets) == 4
+    model(torch.randn(8, 64)).square().mean().backward()
+    # The first bucket (last layer) launched before the other layers' gradients existed.
+    launched_at = [seen for _, seen in spy.launches]
+    assert len(launched_at) == 4 and launched_at[0] < len(params)
+    engine.step()
+
+
+def test_unused_parameters_contribute_zeros_without_a_hang() -> None:
+    """Rank 0 uses a branch that rank 1 skips: both still issue the same collectives in the same order."""
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+            return self.b(self.a(x)) if use_b else self.a(x)
+
+    cfg = ScapeConfig(density=0.25, chunk_size=16, dense_warmup_steps=1, bucket_cap_mb=100 / 2**20)
+
+    def worker(rank: int, comm: Communicator) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = Branchy()
+        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, comm, param_order=list(model.parameters()))
+        assert len(engine.buckets) > 1
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            model(x, use_b=(rank == 0)).square().mean().backward()
+            engine.step()
+            engine.zero_grad()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    a, b = simulate(2, worker, timeout_s=30)
+    assert torch.equal(a, b)
+
+
+def test_no_sync_accumulates_and_a_second_synced_backward_is_refused() -> None:
+    cfg = ScapeConfig(density=1.0, chunk_size=32, dense_warmup_steps=0, exploration=0.0)
+    model, twin = make_model(0), make_model(0)
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg)
+    ref = AdamS(twin.parameters(), lr=1e-2)
+    x1, y1 = make_batch(0, 0)
+    x2, y2 = make_batch(0, 1)
+    with engine.no_sync():
+        (model(x1) - y1).pow(2).mean().backward()
+    (model(x2) - y2).pow(2).mean().backward()
+    engine.step()
+    ((twin(x1) - y1).pow(2).mean() + (twin(x2) - y2).pow(2).mean()).backward()
+    ref.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    engine.zero_grad()
+    (model(x1) - y1).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="already synchronised"):
+        (model(x2) - y2).pow(2).mean().backward()
+
+
+def test_frozen_parameters_are_left_out_and_tied_parameters_count_once() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 6)
+            self.frozen = nn.Linear(6, 6)
+            self.frozen.requires_grad_(False)
+            self.head = nn.Linear(6, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.head(self.frozen(self.emb(idx)))
+
+    model = Tied()
+    frozen_before = model.frozen.weight.detach().clone()
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2),
+                         ScapeConfig(density=0.5, chunk_size=16, dense_warmup_steps=1))
+    assert engine.numel == 60  # the tied 10x6 matrix once, nothing from the frozen layer
+    for _ in range(3):
+        model(torch.arange(10)).square().mean().backward()
+        engine.step()
+        engine.zero_grad()
+    assert torch.equal(model.frozen.weight, frozen_before)
+    assert model.head.weight is model.emb.weight
+
+
+def test_clipping_scales_the_synchronised_gradient() -> None:
+    spec = {"steps": 4, "max_grad_norm": 1e-3,
+            "config": {"density": 1.0, "chunk_size": 32, "dense_warmup_steps": 2, "exploration": 0.0}}
+    clipped = sim(2, spec)[0]["params"]
+    free = sim(2, {**spec, "max_grad_norm": None})[0]["params"]
+    # Adam is scale invariant except through eps and the momentum history, so clipping changes the path.
+    assert not torch.equal(clipped[-1], free[-1])
+
+
+def test_engine_state_dict_resume_is_bitwise_identical() -> None:
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=2, bucket_cap_mb=1.0)
+
+    def run(model: nn.Module, engine: ScapeEngine, steps: range) -> None:
+        for step in steps:
+            x, y = make_batch(0, step)
+            (model(x) - y).pow(2).mean().backward()
+            engine.step()
+            engine.zero_grad()
+
+    model = make_model(0)
+    engine = ScapeEngine(AdamS(param_groups(model, 1e-2), lr=1e-2), cfg)
+    run(model, engine, range(5))
+    saved_params = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = engine.state_dict()
+    run(model, engine, range(5, 9))
+
+    twin = make_model(1)
+    twin.load_state_dict(saved_params)
+    twin_engine = ScapeEngine(AdamS(param_groups(twin, 1e-2), lr=1e-2), cfg)
+    twin_engine.load_state_dict(saved)
+    run(twin, twin_engine, range(5, 9))
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="another configuration"):
+        ScapeEngine(AdamS(make_model(0).parameters()), cfg.replace(density=0.1)).load_state_dict(saved)
+
+
+def test_an_optimizer_without_adams_groups_is_refused() -> None:
+    model = make_model(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="lightning_scape.AdamS"):
+        ScapeEngine(opt, ScapeConfig())

@@ -1,0 +1,127 @@
+"""The pure-PyTorch reference ops against hand-worked cases (the Triton kernels are tested against these)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_scape.kernels import (
+    chunk_topk_ref,
+    dense_adams_ref,
+    ef_compact_ref,
+    mask_positions,
+    mask_scores_ref,
+    scatter_decay_ref,
+    sparse_adams_ref,
+)
+
+
+def test_mask_positions_address_chunks_in_row_major_order() -> None:
+    mask = torch.tensor([[0, 3], [1, 2]], dtype=torch.int16)
+    assert mask_positions(mask, 4).tolist() == [0, 3, 5, 6]
+
+
+def test_ef_compact_sends_the_masked_sum_and_keeps_the_rest() -> None:
+    e = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    g = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0])
+    mask = torch.tensor([[1], [3]], dtype=torch.int16)  # chunk 0 slot 1, chunk 1 slot 3 -> positions 1, 7
+    out = torch.empty(2)
+    ef_compact_ref(e, g, mask, 4, out)
+    assert out.tolist() == [22.0, 88.0]
+    assert e.tolist() == [11.0, 0.0, 33.0, 44.0, 55.0, 66.0, 77.0, 0.0]
+
+
+def test_ef_compact_keeps_the_cast_error_of_a_bf16_buffer_in_the_residual() -> None:
+    e = torch.zeros(4, dtype=torch.float32)
+    g = torch.tensor([1.0 + 2**-10, 0.0, 0.0, 0.0])  # not representable in bf16 (8 mantissa bits)
+    out = torch.empty(1, dtype=torch.bfloat16)
+    ef_compact_ref(e, g, torch.tensor([[0]], dtype=torch.int16), 4, out)
+    assert out.item() == 1.0
+    assert e[0].item() == 2**-10  # nothing lost: sent + residual == gradient
+    assert out.float().item() + e[0].item() == g[0].item()
+
+
+def test_chunk_topk_picks_largest_with_ties_to_lower_index_and_sorted_rows() -> None:
+    s = torch.tensor([0.5, 2.0, 2.0, 1.0, 2.0, 0.0, 3.0, 3.0])
+    idx = chunk_topk_ref(s, 8, k=3, k_explore=0, explore_offset=0)
+    assert idx.dtype == torch.int16
+    assert idx.tolist() == [[1, 6, 7]]  # 3, 3, then the first of the three 2.0s (index 1)
+    idx = chunk_topk_ref(s, 8, k=4, k_explore=0, explore_offset=0)
+    assert idx.tolist() == [[1, 2, 6, 7]]
+
+
+def test_chunk_topk_forces_the_exploration_window_with_wrap_around() -> None:
+    s = torch.arange(8.0)  # largest at the end
+    idx = chunk_topk_ref(s, 8, k=3, k_explore=2, explore_offset=7)  # window {7, 0}
+    assert idx.tolist() == [[0, 6, 7]]  # window 7, 0 + best outside it: 6
+    idx = chunk_topk_ref(s, 8, k=3, k_explore=2, explore_offset=2)  # window {2, 3}
+    assert idx.tolist() == [[2, 3, 7]]
+
+
+def test_chunk_topk_matches_torch_topk_sets_on_tie_free_data() -> None:
+    torch.manual_seed(0)
+    s = torch.randn(5 * 64)
+    idx = chunk_topk_ref(s, 64, k=7, k_explore=0, explore_offset=0)
+    ref = torch.topk(s.view(5, 64), 7, dim=1).indices.sort(dim=1).values
+    assert torch.equal(idx.long(), ref)
+
+
+def test_chunk_topk_treats_nan_as_lowest_and_inf_as_a_real_score() -> None:
+    s = torch.tensor([float("nan"), float("inf"), 1.0, 2.0])
+    assert chunk_topk_ref(s, 4, k=2, k_explore=0, explore_offset=0).tolist() == [[1, 3]]
+
+
+def test_mask_scores() -> None:
+    m = torch.tensor([1.0, -2.0])
+    e = torch.tensor([-10.0, 10.0])
+    assert mask_scores_ref(m, e, 0.9, "momentum").tolist() == pytest.approx([0.1, 0.8])
+    assert mask_scores_ref(m, e, 0.9, "gradient").tolist() == [10.0, 10.0]
+    with pytest.raises(ValueError, match="no score function"):
+        mask_scores_ref(m, e, 0.9, "random")
+
+
+def test_scatter_decay_decays_everything_then_writes_the_mask() -> None:
+    p = torch.ones(8)
+    scatter_decay_ref(p, torch.tensor([5.0, 6.0]), torch.tensor([[0], [2]], dtype=torch.int16), 4, 0.5)
+    assert p.tolist() == [5.0, 0.5, 0.5, 0.5, 0.5, 0.5, 6.0, 0.5]
+
+
+def _hand_adams(theta: float, m: float, g: float, t: int, tau: int, stale: bool, catch: bool, cap: float,
+                lr: float = 0.1, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, wd: float = 0.1
+                ) -> tuple[float, float]:
+    c = 1 - b1**t
+    g2 = (g / tau) ** 2 if stale else g**2
+    nu = b2 * (m / c) ** 2 + (1 - b2) * g2
+    m_new = b1 * m + (1 - b1) * g
+    s = min(tau, cap) if catch else 1.0
+    return theta * (1 - lr * wd) - lr * s * (m_new / c) / (math.sqrt(nu) + eps), m_new
+
+
+@pytest.mark.parametrize(("stale", "catch"), [(False, False), (True, False), (False, True), (True, True)])
+def test_sparse_adams_updates_only_the_slots_with_staleness_and_catch_up(stale: bool, catch: bool) -> None:
+    param = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    m = torch.tensor([0.5, -0.5, 0.25, 0.0], dtype=torch.float64)
+    last = torch.tensor([9, 4, 9, 9], dtype=torch.int32)  # coordinate 1 last sent at step 4
+    gbar = torch.tensor([6.0], dtype=torch.float64)
+    out = torch.empty(1, dtype=torch.float64)
+    mask = torch.tensor([[1]], dtype=torch.int16)
+    sparse_adams_ref(param, m, last, gbar, mask, 4, out, step=10, lr=0.1, lr_update=0.1, beta1=0.9, beta2=0.95,
+                     eps=1e-8, weight_decay=0.1, bias_correction=True, staleness_correction=stale,
+                     catch_up=catch, catch_up_cap=4.0)
+    theta, m_new = _hand_adams(2.0, -0.5, 6.0, t=10, tau=6, stale=stale, catch=catch, cap=4.0)
+    assert out.item() == pytest.approx(theta, rel=1e-12)
+    assert m.tolist() == pytest.approx([0.5, m_new, 0.25, 0.0], rel=1e-12)
+    assert last.tolist() == [9, 10, 9, 9]
+    assert param.tolist() == [1.0, 2.0, 3.0, 4.0]  # read only
+
+
+def test_dense_adams_with_no_gradient_moves_along_the_momentum() -> None:
+    p = torch.tensor([1.0], dtype=torch.float64)
+    m = torch.tensor([0.2], dtype=torch.float64)
+    dense_adams_ref(p, m, None, step=100, lr=0.1, beta1=0.9, beta2=0.95, eps=0.0, weight_decay=0.0,
+                    bias_correction=False)
+    # nu = 0.95 * 0.04, m = 0.18, step = 0.1 * 0.18 / sqrt(0.038)
+    assert m.item() == pytest.approx(0.18)
+    assert p.item() == pytest.approx(1.0 - 0.1 * 0.18 / math.sqrt(0.95 * 0.04))
