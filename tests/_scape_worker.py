@@ -99,3 +99,42 @@ def reference_dense_adams(spec: dict[str, Any], world_size: int) -> list[torch.T
         opt.step()
         params.append(flat_params(model))
     return params
+
+
+def mass_worker(rank: int, comm: Communicator, steps: int) -> dict[str, torch.Tensor]:
+    """Integer-valued fp64 gradients (so every sum is exact); returns sum g, what was sent, the residual."""
+    from lightning_scape.kernels import mask_positions
+
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=0, exploration=0.25)
+    model = make_model(0, torch.float64)
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-3), cfg, comm)
+    (bs,) = engine.buckets  # one bucket: the whole model fits under bucket_cap_mb
+    gen = torch.Generator().manual_seed(rank)
+    grad_sum = torch.zeros_like(bs.residual)
+    sent = torch.zeros_like(bs.residual)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = torch.randint(-1000, 1000, p.shape, generator=gen).double()
+        mask = engine.current_masks()[0]
+        engine.step()  # no backward: the step synchronises the gradients it finds
+        grad_sum += bs.grads
+        sent.index_add_(0, mask_positions(mask, cfg.chunk_size), bs.values)
+        engine.zero_grad()
+    engine.close()
+    return {"grad_sum": grad_sum, "sent": sent, "residual": bs.residual.clone()}
+
+
+def _process_group_comm() -> Communicator:
+    from lightning_scape import ProcessGroupCommunicator
+
+    return ProcessGroupCommunicator(timeout_s=60)
+
+
+def gloo_run_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run_worker` on the default (gloo) process group."""
+    return run_worker(rank, _process_group_comm(), spec)
+
+
+def gloo_mass_worker(rank: int, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """:func:`mass_worker` on the default (gloo) process group."""
+    return mass_worker(rank, _process_group_comm(), steps)

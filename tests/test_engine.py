@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from _scape_worker import make_batch, make_model, param_groups, reference_dense_adams, run_worker
+from _scape_worker import make_batch, make_model, mass_worker, param_groups, reference_dense_adams, run_worker
 from torch import nn
 
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
@@ -80,33 +80,12 @@ def test_bf16_parameters_replicas_identical_and_two_byte_values() -> None:
 
 def test_no_gradient_mass_is_lost_exactly() -> None:
     """Integer-valued fp64 gradients make every sum exact: sum_t g = sent + residual, per rank and coordinate."""
-    W, steps = 2, 12
-    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=0, exploration=0.25)
-
-    def worker(rank: int, comm: Communicator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        model = make_model(0, torch.float64)
-        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-3), cfg, comm)
-        (bs,) = engine.buckets  # one bucket: the whole model fits under bucket_cap_mb
-        gen = torch.Generator().manual_seed(rank)
-        grad_sum = torch.zeros_like(bs.residual)
-        sent = torch.zeros_like(bs.residual)
-        for _ in range(steps):
-            for p in model.parameters():
-                p.grad = torch.randint(-1000, 1000, p.shape, generator=gen).double()
-            mask = engine.current_masks()[0]
-            engine.step()  # no backward: the step synchronises the gradients it finds
-            grad_sum += bs.grads
-            sent.index_add_(0, mask_positions(mask, cfg.chunk_size), bs.values)
-            engine.zero_grad()
-        return grad_sum, sent, bs.residual.clone()
-
-    results = simulate(W, worker)
-    for grad_sum, sent, residual in results:
-        assert torch.equal(grad_sum, sent + residual)
-        assert sent.abs().sum() > 0 and residual.abs().sum() > 0
-    total_g = sum(r[0] for r in results)
-    total_sent_and_kept = sum(r[1] + r[2] for r in results)
-    assert torch.equal(total_g, total_sent_and_kept)
+    results = simulate(2, lambda rank, comm: mass_worker(rank, comm, steps=12))
+    for r in results:
+        assert torch.equal(r["grad_sum"], r["sent"] + r["residual"])
+        assert r["sent"].abs().sum() > 0 and r["residual"].abs().sum() > 0
+    total_g = sum(r["grad_sum"] for r in results)
+    assert torch.equal(total_g, sum(r["sent"] + r["residual"] for r in results))
 
 
 def test_masks_lie_in_their_owners_shards_with_distinct_slots() -> None:
