@@ -37,9 +37,7 @@ def run_gloo(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: flo
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
-        procs = [
-            ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out)) for r in range(world_size)
-        ]
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out)) for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:

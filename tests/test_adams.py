@@ -11,8 +11,18 @@ import torch
 from lightning_scape import AdamS
 
 
-def spec_adams(theta: list[float], m: list[float], g: list[float], t: int, lr: float, b1: float, b2: float,
-               eps: float, wd: float, bias_correction: bool) -> tuple[list[float], list[float]]:
+def spec_adams(
+    theta: list[float],
+    m: list[float],
+    g: list[float],
+    t: int,
+    lr: float,
+    b1: float,
+    b2: float,
+    eps: float,
+    wd: float,
+    bias_correction: bool,
+) -> tuple[list[float], list[float]]:
     """The spec's formula with Python floats, one coordinate at a time."""
     c = 1 - b1**t if bias_correction else 1.0
     new_theta, new_m = [], []

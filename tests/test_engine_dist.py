@@ -16,7 +16,10 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_density_one_matches_data_parallel_adams(world_size: int) -> None:
-    spec = {"steps": 20, "config": {"density": 1.0, "chunk_size": 32, "dense_warmup_steps": 0, "exploration": 0.0}}
+    spec = {
+        "steps": 20,
+        "config": {"density": 1.0, "chunk_size": 32, "dense_warmup_steps": 0, "exploration": 0.0},
+    }
     ref = reference_dense_adams(spec, world_size)
     for out in run_gloo(world_size, gloo_run_worker, spec):
         for step in range(20):
@@ -27,8 +30,12 @@ def test_density_one_matches_data_parallel_adams(world_size: int) -> None:
 @pytest.mark.parametrize(("world_size", "dtype"), [(2, "float32"), (4, "float64")])
 def test_low_density_run_replicas_counters_and_simulation(world_size: int, dtype: str) -> None:
     W = world_size
-    spec: dict[str, Any] = {"steps": 8, "dtype": dtype, "max_grad_norm": 1.0,
-                            "config": {"density": 0.01, "chunk_size": 512, "dense_warmup_steps": 2}}
+    spec: dict[str, Any] = {
+        "steps": 8,
+        "dtype": dtype,
+        "max_grad_norm": 1.0,
+        "config": {"density": 0.01, "chunk_size": 512, "dense_warmup_steps": 2},
+    }
     real = run_gloo(W, gloo_run_worker, spec)
     # 1. Replicas bitwise identical after every step.
     for step in range(8):
@@ -52,8 +59,10 @@ def test_low_density_run_replicas_counters_and_simulation(world_size: int, dtype
             assert torch.equal(simulated[0]["params"][step], real[0]["params"][step]), step
         else:  # gloo may associate a 4-way sum differently: last-bit differences only
             torch.testing.assert_close(simulated[0]["params"][step], real[0]["params"][step], rtol=1e-12, atol=1e-14)
-            assert all(torch.equal(a, b) for a, b in
-                       zip(simulated[0]["masks_used"][-1], real[0]["masks_used"][-1], strict=True))
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(simulated[0]["masks_used"][-1], real[0]["masks_used"][-1], strict=True)
+            )
 
 
 def test_no_gradient_mass_is_lost_over_gloo() -> None:

@@ -88,9 +88,21 @@ def test_scatter_decay_decays_everything_then_writes_the_mask() -> None:
     assert p.tolist() == [5.0, 0.5, 0.5, 0.5, 0.5, 0.5, 6.0, 0.5]
 
 
-def _hand_adams(theta: float, m: float, g: float, t: int, tau: int, stale: bool, catch: bool, cap: float,
-                lr: float = 0.1, b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8, wd: float = 0.1
-                ) -> tuple[float, float]:
+def _hand_adams(
+    theta: float,
+    m: float,
+    g: float,
+    t: int,
+    tau: int,
+    stale: bool,
+    catch: bool,
+    cap: float,
+    lr: float = 0.1,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    wd: float = 0.1,
+) -> tuple[float, float]:
     c = 1 - b1**t
     g2 = (g / tau) ** 2 if stale else g**2
     nu = b2 * (m / c) ** 2 + (1 - b2) * g2
@@ -107,9 +119,26 @@ def test_sparse_adams_updates_only_the_slots_with_staleness_and_catch_up(stale: 
     gbar = torch.tensor([6.0], dtype=torch.float64)
     out = torch.empty(1, dtype=torch.float64)
     mask = torch.tensor([[1]], dtype=torch.int16)
-    sparse_adams_ref(param, m, last, gbar, mask, 4, out, step=10, lr=0.1, lr_update=0.1, beta1=0.9, beta2=0.95,
-                     eps=1e-8, weight_decay=0.1, bias_correction=True, staleness_correction=stale,
-                     catch_up=catch, catch_up_cap=4.0)
+    sparse_adams_ref(
+        param,
+        m,
+        last,
+        gbar,
+        mask,
+        4,
+        out,
+        step=10,
+        lr=0.1,
+        lr_update=0.1,
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        bias_correction=True,
+        staleness_correction=stale,
+        catch_up=catch,
+        catch_up_cap=4.0,
+    )
     theta, m_new = _hand_adams(2.0, -0.5, 6.0, t=10, tau=6, stale=stale, catch=catch, cap=4.0)
     assert out.item() == pytest.approx(theta, rel=1e-12)
     assert m.tolist() == pytest.approx([0.5, m_new, 0.25, 0.0], rel=1e-12)
@@ -120,8 +149,9 @@ def test_sparse_adams_updates_only_the_slots_with_staleness_and_catch_up(stale: 
 def test_dense_adams_with_no_gradient_moves_along_the_momentum() -> None:
     p = torch.tensor([1.0], dtype=torch.float64)
     m = torch.tensor([0.2], dtype=torch.float64)
-    dense_adams_ref(p, m, None, step=100, lr=0.1, beta1=0.9, beta2=0.95, eps=0.0, weight_decay=0.0,
-                    bias_correction=False)
+    dense_adams_ref(
+        p, m, None, step=100, lr=0.1, beta1=0.9, beta2=0.95, eps=0.0, weight_decay=0.0, bias_correction=False
+    )
     # nu = 0.95 * 0.04, m = 0.18, step = 0.1 * 0.18 / sqrt(0.038)
     assert m.item() == pytest.approx(0.18)
     assert p.item() == pytest.approx(1.0 - 0.1 * 0.18 / math.sqrt(0.95 * 0.04))
