@@ -141,13 +141,18 @@ class ProcessGroupCommunicator:
 
     def reduce_scatter_sum(self, output: Tensor, input: Tensor) -> Pending:
         """Async reduce-scatter (sum)."""
-        w = dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        w = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return self._wrap(w, f"reduce_scatter({input.numel()} x {input.dtype})")
 
     def all_gather(self, output: Tensor, input: Tensor) -> Pending:
         """Async all-gather; int16 travels as bytes (gloo has no int16)."""
-        w = dist.all_gather_into_tensor(_wire(output), _wire(input), group=self.group, async_op=True)
+        w = _all_gather(_wire(output), _wire(input), group=self.group, async_op=True)
         return self._wrap(w, f"all_gather({input.numel()} x {input.dtype})")
+
+
+# torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def _wire(t: Tensor) -> Tensor:
