@@ -61,7 +61,8 @@ class DemoArgs:
     max_bytes: int
 
 
-def _model(block_size: int) -> torch.nn.Module:
+def build_demo_model(block_size: int) -> torch.nn.Module:
+    """The demo's litgpt GPT: 4 layers, 128 wide, byte-level (0.86M parameters), seeded."""
     from litgpt import GPT, Config
 
     cfg = Config(
@@ -83,7 +84,9 @@ def _model(block_size: int) -> torch.nn.Module:
     return GPT(cfg)
 
 
-def _load_tokens(args: DemoArgs) -> tuple[torch.Tensor, torch.Tensor]:
+def load_tokens(args: DemoArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Byte tokens of ``args.text`` (or the stdlib corpus), split 90/10 into train and validation."""
+    """Byte tokens of ``args.text`` (or the stdlib corpus), split 90/10 into train and validation."""
     if args.text:
         with open(args.text, "rb") as fh:
             data = fh.read(args.max_bytes)
@@ -94,16 +97,42 @@ def _load_tokens(args: DemoArgs) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:split], tokens[split:]
 
 
-def _batch(tokens: torch.Tensor, gen: torch.Generator, batch: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_batch(
+    tokens: torch.Tensor, gen: torch.Generator, batch: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` random windows of ``block`` tokens and their next-token targets."""
     ix = torch.randint(len(tokens) - block - 1, (batch,), generator=gen)
     x = torch.stack([tokens[i : i + block] for i in ix])
     y = torch.stack([tokens[i + 1 : i + 1 + block] for i in ix])
     return x, y
 
 
-def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats."""
     logits = model(x)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def demo_optimizer(model: torch.nn.Module, lr: float) -> AdamS:
+    """AdamS with weight decay on matrices only (norms and biases in a no-decay group)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return AdamS(groups, lr=lr)
+
+
+def set_cosine_lr(optimizer: torch.optim.Optimizer, step: int, steps: int, peak: float) -> None:
+    """20 steps of linear warm-up, then cosine decay to zero at ``steps``."""
+    lr = peak * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, val: torch.Tensor, block: int, batches: int = 8) -> float:
+    """Mean loss on ``batches`` fixed (seeded) batches of 16 validation windows."""
+    gen = torch.Generator().manual_seed(99)
+    return sum(float(lm_loss(model, *sample_batch(val, gen, 16, block))) for _ in range(batches)) / batches
 
 
 def _worker(rank: int, world_size: int, port: int, args: DemoArgs, method: str, out_dir: str) -> None:
@@ -111,12 +140,9 @@ def _worker(rank: int, world_size: int, port: int, args: DemoArgs, method: str, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     try:
-        train, val = _load_tokens(args)
-        model = _model(args.block_size)
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-        opt = AdamS(groups, lr=args.lr)
+        train, val = load_tokens(args)
+        model = build_demo_model(args.block_size)
+        opt = demo_optimizer(model, args.lr)
         if method == "dense":
             # Dense data-parallel AdamS: one all-reduce of every gradient, every step (what DDP sends).
             cfg = ScapeConfig(sharded=False, dense_warmup_steps=args.steps + 1)
@@ -129,11 +155,9 @@ def _worker(rank: int, world_size: int, port: int, args: DemoArgs, method: str, 
         losses: list[float] = []
         t0 = time.perf_counter()
         for step in range(total_steps):
-            lr = args.lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
-            for g in opt.param_groups:
-                g["lr"] = lr
-            x, y = _batch(train, gen, args.batch_size, args.block_size)
-            loss = _loss(model, x, y)
+            set_cosine_lr(opt, step, total_steps, args.lr)
+            x, y = sample_batch(train, gen, args.batch_size, args.block_size)
+            loss = lm_loss(model, x, y)
             loss.backward()
             engine.step(max_grad_norm=1.0)
             engine.zero_grad()
@@ -148,14 +172,13 @@ def _worker(rank: int, world_size: int, port: int, args: DemoArgs, method: str, 
                 )
         elapsed = time.perf_counter() - t0
         model.eval()
-        vgen = torch.Generator().manual_seed(99)
-        with torch.no_grad():
-            val_loss = sum(float(_loss(model, *_batch(val, vgen, 16, args.block_size))) for _ in range(8)) / 8
+        val_loss = validation_loss(model, val, args.block_size)
         if rank == 0:
             result: dict[str, Any] = {
                 "method": method,
                 "steps": total_steps,
                 "params": engine.numel,
+                "padded_params": engine.padded_numel,
                 "tokens_per_s": total_steps * args.batch_size * args.block_size * world_size / elapsed,
                 "bytes_per_step": sum(sparse_bytes) / max(1, len(sparse_bytes)),
                 "dense_equivalent_per_step": engine.counters.total_dense_equivalent / total_steps,
@@ -208,7 +231,7 @@ def run_demo(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"{'train loss':>11} {'val loss':>9}"
     )
     for r in results:
-        ratio = dense["bytes_per_step"] / max(1.0, r["bytes_per_step"])
+        ratio = r["dense_equivalent_per_step"] / max(1.0, r["bytes_per_step"])
         name = "dense AdamS" if r["method"] == "dense" else f"SCAPE d={args.density}"
         print(
             f"{name:<14} {r['steps']:>6} {r['tokens_per_s']:>9.0f} {r['bytes_per_step'] / 1e3:>13.1f} "
