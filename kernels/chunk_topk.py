@@ -3,12 +3,23 @@
 In every chunk, the k_e exploration slots are the window ``(offset + j) mod C`` for ``j < k_e``; the
 other ``k - k_e`` slots are the largest scores outside that window. Ties break towards the lower index.
 Each row of the result lists its k indices in ascending order.
+
+``select_mask`` fuses the mask statistic into the selection: the Triton kernel reads the momentum and
+residual of a chunk once and writes its k indices, without materialising the fp32 scores.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ._triton import HAS_TRITON, require_triton, tl, triton
+
+# Codes of the score a selection kernel computes from its inputs.
+_STAT_SCORES = 0  # the input is already the score
+_STAT_MOMENTUM = 1  # |b1 * m + (1 - b1) * e|
+_STAT_GRADIENT = 2  # |e|
+_STATISTICS = {"momentum": _STAT_MOMENTUM, "gradient": _STAT_GRADIENT}
 
 
 def mask_scores_ref(momentum: Tensor, residual: Tensor, beta1: float, statistic: str) -> Tensor:
@@ -44,16 +55,208 @@ def chunk_topk_ref(scores: Tensor, chunk_size: int, k: int, k_explore: int, expl
         ``[rows, k]`` int16 ascending chunk-local indices.
     """
     s = scores.reshape(-1, chunk_size).float()
-    s = torch.nan_to_num(s, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    s = s.clone() if s.data_ptr() == scores.data_ptr() else s  # never write the caller's scores
+    s.nan_to_num_(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     if k_explore > 0:
         window = (torch.arange(k_explore, device=s.device) + explore_offset) % chunk_size
-        s = s.clone()
         s[:, window] = float("inf")
-    # O(C) per chunk: the k-th largest value is the threshold; all above it are taken, ties at the
-    # threshold are filled in index order (a stable rule that a kernel reproduces exactly).
-    thr = torch.topk(s, k, dim=1, sorted=True).values[:, -1:]
-    above = s > thr
+    # The k-th largest value of each chunk is its threshold; everything at or above it is taken.
+    thr = torch.topk(s, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    take = s >= thr
+    hits = take.nonzero()
+    if hits.shape[0] == s.shape[0] * k:  # no chunk has ties at its threshold: the common case
+        return hits[:, 1].reshape(-1, k).to(torch.int16)
+    # Ties at the threshold (zeros, mostly): fill them in index order, on the tied rows only.
+    rows = (torch.bincount(hits[:, 0], minlength=s.shape[0]) > k).nonzero().squeeze(1)
+    sub, sub_thr = s[rows], thr[rows]
+    above = sub > sub_thr
     need = k - above.sum(dim=1, keepdim=True)
-    at = s == thr
-    take = above | (at & (at.cumsum(dim=1) <= need))
+    at = sub == sub_thr
+    take[rows] = above | (at & (at.cumsum(dim=1) <= need))
     return take.nonzero()[:, 1].reshape(-1, k).to(torch.int16)
+
+
+def select_mask_ref(
+    momentum: Tensor,
+    residual: Tensor,
+    beta1: float,
+    statistic: str,
+    chunk_size: int,
+    k: int,
+    k_explore: int,
+    explore_offset: int,
+) -> Tensor:
+    """Pure-PyTorch reference (and CPU path) of the fused op: score the shard, then pick its mask.
+
+    Args:
+        momentum: ``[rows * chunk_size]`` first moment m of the shard (ignored for ``"gradient"``).
+        residual: Same length, this rank's error-feedback residual e.
+        beta1: b1.
+        statistic: ``"momentum"``: ``|b1*m + (1-b1)*e|``; ``"gradient"``: ``|e|``.
+        chunk_size: C.
+        k: Slots per chunk (1 <= k <= C).
+        k_explore: Exploration slots per chunk (0 <= k_explore <= k).
+        explore_offset: Start of this refresh's exploration window (taken mod C).
+
+    Returns:
+        ``[rows, k]`` int16 ascending chunk-local indices:
+        ``chunk_topk_ref(mask_scores_ref(momentum, residual, beta1, statistic), ...)``.
+    """
+    scores = mask_scores_ref(momentum, residual, beta1, statistic)
+    return chunk_topk_ref(scores, chunk_size, k, k_explore, explore_offset)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _select_kernel(
+        a_ptr: tl.tensor,
+        b_ptr: tl.tensor,
+        out_ptr: tl.tensor,
+        k: tl.tensor,
+        k_explore: tl.tensor,
+        offset: tl.tensor,
+        beta1: tl.tensor,
+        one_minus_b1: tl.tensor,
+        C: tl.constexpr,
+        STAT: tl.constexpr,
+    ) -> None:
+        # One program per chunk; the whole chunk (C <= 32768) lives in registers.
+        row = tl.program_id(0).to(tl.int64)
+        idx = tl.arange(0, C)
+        if STAT == 0:
+            s = tl.load(a_ptr + row * C + idx).to(tl.float32)
+        elif STAT == 1:
+            m = tl.load(a_ptr + row * C + idx)
+            e = tl.load(b_ptr + row * C + idx)
+            # mask_scores_ref: momentum.mul(b1).add_(residual, alpha=1-b1), one fma in PyTorch.
+            s = tl.abs(tl.fma(e, one_minus_b1, m * beta1)).to(tl.float32)
+        else:
+            s = tl.abs(tl.load(b_ptr + row * C + idx)).to(tl.float32)
+        # chunk_topk_ref's nan_to_num(nan=-inf, posinf=FLT_MAX) also maps -inf to -FLT_MAX (the
+        # default of neginf), so NaN ranks below every number.
+        s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
+        s = tl.where(s == -float("inf"), -3.4028234663852886e38, s)
+        s = tl.where(s != s, -float("inf"), s)
+        # Exploration window (offset + j) mod C, j < k_explore: forced in with +inf (C is a power of 2).
+        s = tl.where(((idx - offset) & (C - 1)) < k_explore, float("inf"), s)
+        # -0.0 == 0.0 for the ref's comparisons; give both one bit pattern.
+        s = tl.where(s == 0.0, 0.0, s)
+        # Order-preserving int32 key of the float: flip the magnitude bits of negative numbers.
+        bits = s.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        # Bisection on the key's bits for t = the k-th largest key: the largest t with
+        # #{key >= t} >= k. The sign bit first, then bits 30..0 (setting a lower bit raises a
+        # two's-complement value whatever its sign). 32 counts over registers, no sort.
+        n_nonneg = tl.sum((key >= 0).to(tl.int32), axis=0)
+        t = tl.where(n_nonneg >= k, 0, -2147483648).to(tl.int32)
+        for b in tl.static_range(30, -1, -1):
+            cand = t | (1 << b)
+            cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
+            t = tl.where(cnt >= k, cand, t)
+        # Everything above t is taken; ties at t fill the remaining slots in index order.
+        above = key > t
+        need = k - tl.sum(above.to(tl.int32), axis=0)
+        at = key == t
+        take = above | (at & (tl.cumsum(at.to(tl.int32), axis=0) <= need))
+        # Ascending output: a taken index goes to the slot given by the taken ones before it.
+        slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + row * k + slot, idx.to(tl.int16), mask=take)
+
+
+def _launch_select(
+    a: Tensor,
+    b: Tensor,
+    stat: int,
+    beta1: float,
+    chunk_size: int,
+    k: int,
+    k_explore: int,
+    explore_offset: int,
+) -> Tensor:
+    require_triton()
+    C = chunk_size
+    if not (0 < C <= 32768 and C & (C - 1) == 0):
+        raise ValueError(f"chunk_size must be a power of two <= 32768, got {C}")
+    if a.numel() % C != 0 or b.numel() != a.numel():
+        raise ValueError(f"inputs of {a.numel()} and {b.numel()} values are not whole chunks of {C}")
+    if not (1 <= k <= C and 0 <= k_explore <= k):
+        raise ValueError(f"need 1 <= k <= chunk_size and 0 <= k_explore <= k, got k={k}, k_explore={k_explore}")
+    rows = a.numel() // C
+    out = torch.empty(rows, k, dtype=torch.int16, device=a.device)
+    if rows == 0:
+        return out
+    _select_kernel[(rows,)](
+        a,
+        b,
+        out,
+        k,
+        k_explore,
+        explore_offset % C,
+        float(beta1),
+        1.0 - beta1,
+        C=C,
+        STAT=stat,
+        # About 16 coordinates per thread (fewer warps spill registers on sm_90 from C = 16384 on);
+        # the 32 counting reductions dominate, and more warps per chunk shorten each one.
+        num_warps=max(1, min(32, C // 512)),
+        # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+def chunk_topk_triton(scores: Tensor, chunk_size: int, k: int, k_explore: int, explore_offset: int) -> Tensor:
+    """Triton kernel of :func:`chunk_topk_ref`: the same indices, exactly.
+
+    One program per chunk holds the chunk's keys in registers, finds the k-th largest by bisection on
+    the float bit pattern (32 counting passes over registers), takes everything above it and fills
+    the ties in index order with a prefix sum.
+
+    Args:
+        scores: ``[rows * chunk_size]`` contiguous float scores (any float dtype; compared in fp32).
+        chunk_size: C, a power of two <= 32768.
+        k: Slots per chunk (1 <= k <= C).
+        k_explore: Exploration slots per chunk (0 <= k_explore <= k).
+        explore_offset: Start of this refresh's exploration window (taken mod C).
+
+    Returns:
+        ``[rows, k]`` int16 ascending chunk-local indices.
+    """
+    return _launch_select(scores, scores, _STAT_SCORES, 0.0, chunk_size, k, k_explore, explore_offset)
+
+
+def select_mask_triton(
+    momentum: Tensor,
+    residual: Tensor,
+    beta1: float,
+    statistic: str,
+    chunk_size: int,
+    k: int,
+    k_explore: int,
+    explore_offset: int,
+) -> Tensor:
+    """Triton kernel of :func:`select_mask_ref`: the statistic is computed inside the selection.
+
+    Reads m and e once (``8`` bytes per coordinate for fp32 state), writes ``2 k`` bytes per chunk.
+    The indices equal the ref's whenever the score arithmetic rounds alike (it is the same fma).
+
+    Args:
+        momentum: ``[rows * chunk_size]`` contiguous fp32 first moment (ignored for ``"gradient"``).
+        residual: Same length, contiguous fp32 residual.
+        beta1: b1.
+        statistic: ``"momentum"`` or ``"gradient"``.
+        chunk_size: C, a power of two <= 32768.
+        k: Slots per chunk.
+        k_explore: Exploration slots per chunk.
+        explore_offset: Start of the exploration window (taken mod C).
+
+    Returns:
+        ``[rows, k]`` int16 ascending chunk-local indices.
+    """
+    if statistic not in _STATISTICS:
+        raise ValueError(f"mask statistic {statistic!r} has no score function; use 'momentum' or 'gradient'.")
+    stat = _STATISTICS[statistic]
+    # "gradient" never reads the momentum: pass the residual twice so its size need not match.
+    a = momentum if stat == _STAT_MOMENTUM else residual
+    return _launch_select(a, residual, stat, beta1, chunk_size, k, k_explore, explore_offset)

@@ -7,9 +7,11 @@ for every coordinate, the local gradient summed over steps equals what was sent 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ._positions import mask_positions
+from ._triton import HAS_TRITON, cast_rne, require_triton, tl, triton
 
 
 def ef_compact_ref(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int, out: Tensor) -> None:
@@ -27,3 +29,85 @@ def ef_compact_ref(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int
     picked = residual.index_select(0, pos)
     out.copy_(picked)
     residual.index_copy_(0, pos, picked.sub_(out.to(residual.dtype)))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _ef_compact_kernel(
+        res_ptr: tl.tensor,
+        grad_ptr: tl.tensor,
+        mask_ptr: tl.tensor,
+        out_ptr: tl.tensor,
+        k: tl.tensor,
+        C: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SLOT_BLOCK: tl.constexpr,
+    ) -> None:
+        # One program per chunk row. Phase 1 streams the chunk once: e = e + g.
+        row = tl.program_id(0).to(tl.int64)
+        base = row * C
+        for start in tl.static_range(0, C, BLOCK):
+            offs = base + start + tl.arange(0, BLOCK)
+            e = tl.load(res_ptr + offs)
+            g = tl.load(grad_ptr + offs).to(e.dtype)
+            tl.store(res_ptr + offs, e + g)
+        # Phase 2 re-reads a = e + g at the slots, which other threads of this program wrote in phase 1:
+        # the barrier makes those stores visible (and they are still in L1/L2, so this is not a 2nd pass).
+        tl.debug_barrier()
+        for s0 in range(0, k, SLOT_BLOCK):
+            j = s0 + tl.arange(0, SLOT_BLOCK)
+            live = j < k
+            idx = tl.load(mask_ptr + row * k + j, mask=live, other=0).to(tl.int64)
+            a = tl.load(res_ptr + base + idx, mask=live, other=0.0)
+            v = cast_rne(a, out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row * k + j, v, mask=live)
+            # The rounding error of the cast to the communication dtype stays in the residual.
+            tl.store(res_ptr + base + idx, a - v.to(a.dtype), mask=live)
+
+
+def ef_compact_triton(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int, out: Tensor) -> None:
+    """Triton kernel of :func:`ef_compact_ref` (same arguments, same result bit for bit).
+
+    One program per chunk reads e and g once, writes e once, then compacts the k slots of its chunk.
+
+    Args:
+        residual: ``[rows * chunk_size]`` contiguous residual (fp32 or fp64), updated in place.
+        grad: Same shape, contiguous, any float dtype.
+        mask: ``[rows, k]`` contiguous int16 chunk-local indices (distinct within a row).
+        chunk_size: Coordinates per chunk, a power of two.
+        out: ``[rows * k]`` contiguous compact buffer.
+    """
+    require_triton()
+    rows, k = _check(residual, grad, mask, chunk_size, out)
+    if rows == 0 or k == 0:
+        return
+    block = min(chunk_size, 2048)
+    _ef_compact_kernel[(rows,)](
+        residual,
+        grad,
+        mask,
+        out,
+        k,
+        C=chunk_size,
+        BLOCK=block,
+        SLOT_BLOCK=min(triton.next_power_of_2(k), 1024),
+        num_warps=4 if block <= 1024 else 8,
+        # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
+        enable_fp_fusion=False,
+    )
+
+
+def _check(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int, out: Tensor) -> tuple[int, int]:
+    """Shape checks a kernel needs (it does no bounds checking of its own); returns ``(rows, k)``."""
+    if mask.dim() != 2 or mask.dtype != torch.int16:
+        raise ValueError(f"mask must be [rows, k] int16, got {tuple(mask.shape)} {mask.dtype}")
+    rows, k = mask.shape
+    if residual.numel() != rows * chunk_size or grad.numel() != residual.numel():
+        raise ValueError(
+            f"residual ({residual.numel()}) and grad ({grad.numel()}) must hold rows * chunk_size = "
+            f"{rows} * {chunk_size} values"
+        )
+    if out.numel() != rows * k:
+        raise ValueError(f"out holds {out.numel()} values, the mask has {rows} * {k} slots")
+    return rows, k

@@ -13,9 +13,11 @@ For each slot (coordinate j, averaged value g, step t, c = 1 - b1**t or 1):
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ._positions import mask_positions
+from ._triton import HAS_TRITON, cast_rne, require_triton, tl, triton
 
 
 def sparse_adams_ref(
@@ -78,3 +80,154 @@ def sparse_adams_ref(
     out.copy_(new)
     momentum.index_copy_(0, pos, m)
     last_sent.index_fill_(0, pos, step)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _sparse_adams_kernel(
+        param_ptr: tl.tensor,
+        mom_ptr: tl.tensor,
+        last_ptr: tl.tensor,
+        gbar_ptr: tl.tensor,
+        mask_ptr: tl.tensor,
+        out_ptr: tl.tensor,
+        n_slots: tl.tensor,
+        k: tl.tensor,
+        step: tl.tensor,
+        c: tl.tensor,
+        beta1: tl.tensor,
+        one_minus_b1: tl.tensor,
+        beta2: tl.tensor,
+        one_minus_b2: tl.tensor,
+        eps: tl.tensor,
+        decay: tl.tensor,
+        neg_lr_update: tl.tensor,
+        cap: tl.tensor,
+        C: tl.constexpr,
+        BLOCK: tl.constexpr,
+        STALENESS: tl.constexpr,
+        CATCH_UP: tl.constexpr,
+    ) -> None:
+        # One lane per slot; slot s is column s % k of chunk row s // k.
+        s = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = s < n_slots
+        idx = tl.load(mask_ptr + s, mask=live, other=0).to(tl.int64)
+        pos = (s // k) * C + idx
+        theta = tl.load(param_ptr + pos, mask=live, other=0.0).to(tl.float32)
+        m_prev = tl.load(mom_ptr + pos, mask=live, other=0.0)
+        g = tl.load(gbar_ptr + s, mask=live, other=0.0).to(tl.float32)
+        # Same operations, in the same order and with the same fused multiply-adds, as the ref (its
+        # add_(x, alpha=a) is one fma on CPU and CUDA); IEEE division and sqrt like PyTorch's.
+        if STALENESS or CATCH_UP:
+            last = tl.load(last_ptr + pos, mask=live, other=0)
+            tau = (step - last).to(tl.float32)
+        if STALENESS:
+            gt = tl.div_rn(g, tau)
+            g2 = gt * gt
+        else:
+            g2 = g * g
+        mc = tl.div_rn(m_prev, c)
+        nu = tl.fma(g2, one_minus_b2, mc * mc * beta2)
+        m = tl.fma(g, one_minus_b1, m_prev * beta1)
+        upd = tl.div_rn(tl.div_rn(m, c), tl.sqrt_rn(nu) + eps)
+        if CATCH_UP:
+            upd = upd * tl.minimum(tau, cap)
+        new = tl.fma(upd, neg_lr_update, theta * decay)
+        tl.store(out_ptr + s, cast_rne(new, out_ptr.dtype.element_ty), mask=live)
+        tl.store(mom_ptr + pos, m, mask=live)
+        tl.store(last_ptr + pos, tl.full([BLOCK], 0, tl.int32) + step, mask=live)
+
+
+def sparse_adams_triton(
+    param: Tensor,
+    momentum: Tensor,
+    last_sent: Tensor,
+    gbar: Tensor,
+    mask: Tensor,
+    chunk_size: int,
+    out: Tensor,
+    *,
+    step: int,
+    lr: float,
+    lr_update: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    staleness_correction: bool,
+    catch_up: bool,
+    catch_up_cap: float,
+) -> None:
+    """Triton kernel of :func:`sparse_adams_ref` (same arguments; fp32 momentum only).
+
+    One lane per slot gathers theta, m and last_sent at its coordinate, takes the AdamS step and
+    scatters m and last_sent back: ``rows * k`` lanes, nothing dense. Equal to the ref up to the last
+    bits of fp32 arithmetic (the order of operations is the same; fma contraction may differ).
+
+    Args:
+        param: ``[rows * chunk_size]`` contiguous parameters (read only).
+        momentum: Same length, contiguous fp32, updated at the slots.
+        last_sent: Same length, contiguous int32, set to ``step`` at the slots.
+        gbar: ``[rows * k]`` contiguous averaged values, in mask order.
+        mask: ``[rows, k]`` contiguous int16 chunk-local indices (distinct within a row).
+        chunk_size: Coordinates per chunk.
+        out: ``[rows * k]`` contiguous new parameter values at the slots.
+        step: The step t (1-based).
+        lr: The group's learning rate (drives weight decay).
+        lr_update: Learning rate of the update.
+        beta1: b1.
+        beta2: b2.
+        eps: Denominator epsilon.
+        weight_decay: Decoupled weight decay.
+        bias_correction: Divide the momenta by ``1 - b1**t``.
+        staleness_correction: Divide g by tau in the second-moment term.
+        catch_up: Scale the update by ``min(tau, catch_up_cap)``.
+        catch_up_cap: Cap of the catch-up factor.
+    """
+    require_triton()
+    if mask.dim() != 2 or mask.dtype != torch.int16:
+        raise ValueError(f"mask must be [rows, k] int16, got {tuple(mask.shape)} {mask.dtype}")
+    if momentum.dtype != torch.float32 or last_sent.dtype != torch.int32:
+        raise ValueError(f"momentum must be fp32 and last_sent int32, got {momentum.dtype}, {last_sent.dtype}")
+    rows, k = mask.shape
+    n = rows * chunk_size
+    if param.numel() != n or momentum.numel() != n or last_sent.numel() != n:
+        raise ValueError(f"param, momentum and last_sent must hold rows * chunk_size = {rows} * {chunk_size}")
+    if gbar.numel() != rows * k or out.numel() != rows * k:
+        raise ValueError(f"gbar and out must hold rows * k = {rows} * {k} values")
+    n_slots = rows * k
+    if n_slots == 0:
+        return
+    # The scalars are computed in Python (fp64) and rounded to fp32 once, exactly as the ref's scalar
+    # arguments are when they meet fp32 tensors.
+    c = 1.0 - beta1**step if bias_correction else 1.0
+    block = 1024
+    _sparse_adams_kernel[(triton.cdiv(n_slots, block),)](
+        param,
+        momentum,
+        last_sent,
+        gbar,
+        mask,
+        out,
+        n_slots,
+        k,
+        int(step),
+        float(c),
+        float(beta1),
+        1.0 - beta1,
+        float(beta2),
+        1.0 - beta2,
+        float(eps),
+        1.0 - lr * weight_decay,
+        -float(lr_update),
+        float(catch_up_cap),
+        C=chunk_size,
+        BLOCK=block,
+        STALENESS=bool(staleness_correction),
+        CATCH_UP=bool(catch_up),
+        num_warps=4,
+        # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
+        enable_fp_fusion=False,
+    )

@@ -1,0 +1,428 @@
+"""Achieved memory bandwidth of each SCAPE kernel, and the whole sparse step against fused AdamW (CUDA).
+
+    python benchmarks/bench_kernels.py                          # kernels at 2**28 values; step at 1e8, 1e9
+    python benchmarks/bench_kernels.py --sizes 1e8 --dtype bf16 # skip 1e9 (about 20 GB at fp32)
+    python benchmarks/bench_kernels.py --peak-gbps 3350         # device not in the peak table
+    python benchmarks/bench_kernels.py --compare-ref            # also time the pure-PyTorch refs on the GPU
+
+Per kernel: the bytes it must move (formulas in docs/kernels.md), the median time over ``--iters`` launches
+measured with CUDA events, the achieved GB/s and its fraction of the GPU's peak DRAM bandwidth (from the
+table below by device name, or ``--peak-gbps``). The whole sparse optimizer step at W = 1 is
+ef_compact + sparse_adams + select_mask + scatter_decay on N parameters at density d (the collectives of
+W > 1 are not part of it), compared with ``torch.optim.AdamW(fused=True)`` and the dense AdamS kernel on
+the same N. Without a CUDA GPU the script says so, runs the code path on a tiny CPU size with the refs
+(not a measurement) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+import lightning_scape.kernels as K
+
+# Peak DRAM bandwidth in GB/s (1e9 B/s) by a substring of torch.cuda.get_device_name(); the longest
+# matching substring wins (so "GH200" beats "H200"). Vendor datasheet figures.
+PEAK_GBPS: dict[str, float] = {
+    "B200": 8000.0,
+    "GH200": 4000.0,  # 96 GB HBM3; the 144 GB HBM3e part has 4900: pass --peak-gbps
+    "H200": 4800.0,
+    "H100 NVL": 3900.0,
+    "H100 PCIe": 2000.0,
+    "H100": 3350.0,  # SXM5 80 GB HBM3
+    "H800": 3350.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100 80GB PCIe": 1935.0,
+    "A100": 1555.0,
+    "L40S": 864.0,
+    "L40": 864.0,
+    "L4": 300.0,
+    "A10G": 600.0,
+    "A10": 600.0,
+    "RTX 4090": 1008.0,
+    "RTX 3090": 936.0,
+    "V100": 900.0,
+    "T4": 320.0,
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+OPS = ("ef_compact", "sparse_adams", "select_mask", "chunk_topk", "scatter_decay", "dense_adams")
+# The tensors of a Problem, and the ops whose kernel must equal the ref bit for bit (the others are
+# AdamS arithmetic: equal up to the last bits).
+STATE = ("params", "grads", "residual", "momentum", "last_sent", "values", "new_values", "mask", "topk")
+EXACT_OPS = ("ef_compact", "select_mask", "chunk_topk", "scatter_decay")
+
+
+@dataclass
+class Row:
+    """One timed operation."""
+
+    name: str
+    numel: int
+    path: str
+    median_ms: float
+    bytes_moved: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / (self.median_ms * 1e-3) / 1e9
+
+
+def peak_gbps(device_name: str, override: float | None) -> float | None:
+    """The device's peak DRAM bandwidth: ``override``, else the longest table key found in the name."""
+    if override is not None:
+        return override
+    hits = [key for key in PEAK_GBPS if key in device_name]
+    return PEAK_GBPS[max(hits, key=len)] if hits else None
+
+
+def time_cuda(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` runs, each bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_cpu(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Median milliseconds of ``fn`` on the CPU (perf_counter)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class Problem:
+    """The tensors of one rank's sparse step on ``numel`` parameters (W = 1: region = shard = bucket)."""
+
+    def __init__(
+        self, numel: int, chunk_size: int, density: float, exploration: float, dtype: torch.dtype, device: str
+    ):
+        C = chunk_size
+        self.C = C
+        self.rows = -(-numel // C)
+        self.N = self.rows * C  # padded to whole chunks, as the engine's buckets are
+        self.k = max(1, round(density * C))
+        self.ke = min(self.k, round(exploration * self.k))
+        self.S = self.rows * self.k
+        self.dtype = dtype
+        self.bp = torch.empty(0, dtype=dtype).element_size()
+        self.bs = 4  # fp32 residual and momentum
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.params = torch.randn(self.N, generator=gen, device=device).to(dtype)
+        self.grads = (torch.randn(self.N, generator=gen, device=device) * 1e-3).to(dtype)
+        self.residual = torch.randn(self.N, generator=gen, device=device) * 1e-3
+        self.momentum = torch.randn(self.N, generator=gen, device=device) * 1e-3
+        self.last_sent = torch.zeros(self.N, dtype=torch.int32, device=device)
+        self.values = torch.zeros(self.S, dtype=dtype, device=device)
+        self.new_values = torch.zeros(self.S, dtype=dtype, device=device)
+        self.mask = K.select_mask(self.momentum, self.residual, 0.9, "momentum", C, self.k, self.ke, 0)
+        self.topk = self.mask
+        self.step_no = 10
+
+    def clone(self) -> Problem:
+        """A copy with its own tensors (for running an op twice from the same state)."""
+        other = copy.copy(self)
+        for name in STATE:
+            setattr(other, name, getattr(self, name).clone())
+        return other
+
+    # ------------------------------------------------------------ the four ops of a sparse step
+
+    def ef_compact(self) -> None:
+        K.ef_compact(self.residual, self.grads, self.mask, self.C, self.values)
+
+    def sparse_adams(self) -> None:
+        K.sparse_adams(
+            self.params,
+            self.momentum,
+            self.last_sent,
+            self.values,
+            self.mask,
+            self.C,
+            self.new_values,
+            step=self.step_no,
+            lr=1e-4,
+            lr_update=1e-4,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            bias_correction=True,
+            staleness_correction=False,
+            catch_up=False,
+            catch_up_cap=8.0,
+        )
+
+    def select_mask(self) -> None:
+        self.mask = K.select_mask(self.momentum, self.residual, 0.9, "momentum", self.C, self.k, self.ke, 3)
+
+    def chunk_topk(self) -> None:
+        self.topk = K.chunk_topk(self.momentum, self.C, self.k, self.ke, 3)
+
+    def scatter_decay(self) -> None:
+        K.scatter_decay(self.params, self.new_values, self.mask, self.C, 1.0 - 1e-4 * 0.1)
+
+    def dense_adams(self) -> None:
+        K.dense_adams(
+            self.params,
+            self.momentum,
+            self.grads,
+            step=self.step_no,
+            lr=1e-4,
+            beta1=0.9,
+            beta2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            bias_correction=True,
+        )
+
+    def sparse_step(self) -> None:
+        """One sparse SCAPE step at W = 1: send, update the slots, next mask, decay + scatter."""
+        self.ef_compact()
+        self.sparse_adams()
+        self.select_mask()
+        self.scatter_decay()
+
+    # ------------------------------------------------------------ bytes each op must move
+
+    def bytes(self, op: str) -> int:
+        """Bytes read + written by ``op`` (docs/kernels.md); slot accesses count their useful bytes."""
+        N, S, bp, bs = self.N, self.S, self.bp, self.bs
+        table = {
+            # read e, g; write e; per slot: read index, re-read a, write v, write e
+            "ef_compact": N * (2 * bs + bp) + S * (2 + bs + bp + bs),
+            # per slot: index, theta, m, last_sent, gbar in; out, m, last_sent out
+            "sparse_adams": S * (2 + bp + bs + 4 + bp) + S * (bp + bs + 4),
+            # read m, e; write k int16 indices per chunk
+            "select_mask": N * 2 * bs + 2 * S,
+            # read the fp32 scores; write the indices
+            "chunk_topk": N * 4 + 2 * S,
+            # read + write the replica; per slot: index, value in, parameter out
+            "scatter_decay": N * 2 * bp + S * (2 + bp + bp),
+            # read theta, g, m; write theta, m
+            "dense_adams": N * (2 * bp + bp + 2 * bs),
+            # read theta, g, exp_avg, exp_avg_sq; write theta, exp_avg, exp_avg_sq (state in param dtype)
+            "adamw_fused": N * (2 * bp + bp + 4 * bp),
+        }
+        table["sparse_step"] = sum(table[o] for o in ("ef_compact", "sparse_adams", "select_mask", "scatter_decay"))
+        return table[op]
+
+    def path(self) -> str:
+        return "triton" if K.use_triton(self.params) else "ref"
+
+
+def adamw_fused(numel: int, dtype: torch.dtype, device: str) -> tuple[Callable[[], object], list[Tensor]]:
+    """A fused AdamW step on one flat parameter of ``numel`` values (state allocated outside the clock)."""
+    p = torch.nn.Parameter(torch.randn(numel, device=device).to(dtype))
+    p.grad = (torch.randn(numel, device=device) * 1e-3).to(dtype)
+    opt = torch.optim.AdamW([p], lr=1e-4, weight_decay=0.1, fused=device.startswith("cuda"))
+    opt.step()
+    return opt.step, [p]
+
+
+def print_rows(title: str, rows: list[Row], peak: float | None, bandwidth: bool = True) -> None:
+    """A table of ``rows``; ``bandwidth=False`` leaves out GB/s (a CPU smoke run measures nothing)."""
+    print(f"\n{title}")
+    head = f"{'op':<34} {'path':<7} {'numel':>13} {'median ms':>10} {'MB moved':>10}"
+    print(head + (f" {'GB/s':>8} {'% peak':>7}" if bandwidth else ""))
+    for r in rows:
+        line = f"{r.name:<34} {r.path:<7} {r.numel:>13,} {r.median_ms:>10.3f} {r.bytes_moved / 1e6:>10.1f}"
+        if bandwidth:
+            pct = f"{100 * r.gbps / peak:6.1f}%" if peak else "    n/a"
+            line += f" {r.gbps:>8.1f} {pct:>7}"
+        print(line)
+
+
+def free_bytes() -> int:
+    """Free GPU memory after releasing the caching allocator's blocks."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+def run(args: argparse.Namespace, device: str) -> dict[str, object]:
+    """The kernel table and the step comparison on ``device``.
+
+    On ``"cpu"`` (no GPU) the same code runs on 2**16 values with the refs, as a smoke test of this
+    script: nothing is reported as a measurement.
+    """
+    cuda = device == "cuda"
+    dtype = DTYPES[args.dtype]
+    timer = time_cuda if cuda else time_cpu
+    iters, warmup = (args.iters, args.warmup) if cuda else (3, 1)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = peak_gbps(name, args.peak_gbps) if cuda else None
+    if cuda:
+        print(
+            f"device {name}, peak {peak if peak else 'unknown (pass --peak-gbps)'} GB/s, torch {torch.__version__}, "
+            f"dtype {args.dtype}, d={args.density}, C={args.chunk_size}, {iters} timed launches (median)"
+        )
+        if not K.use_triton(torch.empty(1, device=device)):
+            print("note: the dispatcher runs the refs (LIGHTNING_SCAPE_FORCE_REF=1 or no triton): timing the refs")
+    results: dict[str, object] = {"device": name, "peak_gbps": peak, "args": vars(args)}
+
+    # Per-kernel bandwidth on one problem.
+    kernel_numel = int(args.kernel_numel) if cuda else 1 << 16
+    prob = Problem(kernel_numel, args.chunk_size, args.density, args.exploration, dtype, device)
+    rows = [Row(op, prob.N, prob.path(), timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
+    if args.compare_ref and cuda:
+        with forced_ref():
+            rows += [Row(op, prob.N, "ref", timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
+    title = f"kernels (k={prob.k} of C={prob.C}, k_explore={prob.ke})"
+    if not cuda:
+        title = "CPU smoke run of the code path (tiny size, refs or forced interpreter): NOT a measurement; " + title
+    print_rows(title, rows, peak, bandwidth=cuda)
+    results["kernels"] = [asdict(r) | {"gbps": r.gbps} for r in rows]
+    del prob
+
+    # The whole sparse step against fused AdamW (and the dense AdamS kernel of the warm-up steps).
+    step_rows: list[Row] = []
+    for size in args.sizes if cuda else [1 << 16]:
+        n = int(size)
+        bp = torch.empty(0, dtype=dtype).element_size()
+        need = n * (2 * bp + 12) * 1.05  # params, grads, residual, momentum, last_sent (+ the slots)
+        if cuda and free_bytes() < need:
+            print(f"\nskipping N={n:,}: needs about {need / 2**30:.1f} GiB, {free_bytes() / 2**30:.1f} GiB free")
+            continue
+        prob = Problem(n, args.chunk_size, args.density, args.exploration, dtype, device)
+        scape = Row("SCAPE sparse step", prob.N, prob.path(), timer(prob.sparse_step, iters, warmup), 0)
+        scape.bytes_moved = prob.bytes("sparse_step")
+        dense = Row("dense AdamS (dense_adams)", prob.N, prob.path(), timer(prob.dense_adams, iters, warmup), 0)
+        dense.bytes_moved = prob.bytes("dense_adams")
+        adamw_bytes = prob.bytes("adamw_fused")
+        del prob
+        step, keep = adamw_fused(n, dtype, device)
+        label = "torch AdamW(fused=True)" if cuda else "torch AdamW (CPU, not fused)"
+        adamw = Row(label, n, "torch", timer(step, iters, warmup), adamw_bytes)
+        del step, keep
+        step_rows += [scape, dense, adamw]
+        if cuda:
+            print(f"\nN={n:,}: SCAPE sparse step / fused AdamW step = {scape.median_ms / adamw.median_ms:.3f}")
+    if step_rows:
+        title = f"optimizer step at d={args.density}"
+        if not cuda:
+            title = "CPU smoke run (tiny size): NOT a measurement; " + title
+        print_rows(title, step_rows, peak, bandwidth=cuda)
+    results["steps"] = [asdict(r) | {"gbps": r.gbps} for r in step_rows]
+    return results
+
+
+def check(device: str, dtype: torch.dtype, exploration: float) -> list[str]:
+    """Every dispatched op (the kernels, on CUDA) against its ref from the same state; returns the failures.
+
+    The test suite checks the kernels in Triton's CPU interpreter; this checks the compiled kernels on
+    the GPU. Indices, error feedback and scatter/decay must be equal; the AdamS ops close.
+    """
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (8e-3, 1e-5)
+    failures = []
+    for C, density, rows in ((64, 0.1, 1001), (4096, 0.01, 33), (4096, 1.0, 3), (32768, 0.01, 3)):
+        base = Problem(rows * C, C, density, exploration, dtype, device)
+        base.values.normal_()  # the averaged slot values sparse_adams reads
+        base.new_values.normal_()  # the new slot values scatter_decay writes
+        for op in OPS:
+            kernel, ref = base.clone(), base.clone()
+            getattr(kernel, op)()
+            with forced_ref():
+                getattr(ref, op)()
+            for name in STATE:
+                a, b = getattr(kernel, name), getattr(ref, name)
+                if op in EXACT_OPS or not a.is_floating_point():
+                    ok = torch.equal(a, b)
+                else:
+                    ok = torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
+                if not ok:
+                    bad = int((a != b).sum())
+                    failures.append(f"{op} (C={C}, d={density}, {rows} rows): {name} differs in {bad} values")
+        print(f"checked C={C} d={density} rows={rows} on {device} ({base.path()} vs ref)")
+    return failures
+
+
+@contextlib.contextmanager
+def forced_ref() -> Iterator[None]:
+    """Temporarily set ``LIGHTNING_SCAPE_FORCE_REF=1`` (the dispatcher then runs the refs on CUDA too)."""
+    old = os.environ.get("LIGHTNING_SCAPE_FORCE_REF")
+    os.environ["LIGHTNING_SCAPE_FORCE_REF"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LIGHTNING_SCAPE_FORCE_REF", None)
+        else:
+            os.environ["LIGHTNING_SCAPE_FORCE_REF"] = old
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel-numel", type=float, default=2**28, help="values per kernel in the bandwidth table")
+    ap.add_argument(
+        "--sizes", type=lambda s: [float(x) for x in s.split(",")], default=[1e8, 1e9],
+        help="comma-separated parameter counts for the step comparison (default 1e8,1e9)",
+    )  # fmt: skip
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--chunk-size", type=int, default=4096)
+    ap.add_argument("--exploration", type=float, default=0.1)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter/gradient dtype")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--peak-gbps", type=float, default=None, help="peak DRAM bandwidth, GB/s (overrides the table)")
+    ap.add_argument("--compare-ref", action="store_true", help="also time the pure-PyTorch refs on the GPU")
+    ap.add_argument("--no-cpu-smoke", action="store_true", help="without a GPU, do not run the tiny CPU smoke run")
+    ap.add_argument("--check", action="store_true", help="first check every kernel against its ref (exit 1 if off)")
+    ap.add_argument("--check-only", action="store_true", help="only the check")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.check or args.check_only:
+        if device == "cpu" and not K.use_triton(torch.empty(1)):
+            print("check: no GPU and no forced interpreter (TRITON_INTERPRET=1 LIGHTNING_SCAPE_FORCE_TRITON=1)")
+        else:
+            failures = check(device, DTYPES[args.dtype], args.exploration)
+            print("\n".join(["check FAILED:", *failures]) if failures else "check passed: kernels match the refs")
+            if failures:
+                return 1
+        if args.check_only:
+            return 0
+
+    if not torch.cuda.is_available():
+        print(
+            "No CUDA GPU is available (torch.cuda.is_available() is False): there is nothing to measure. "
+            "The Triton kernels run only on CUDA; no bandwidth or step-time numbers are produced."
+        )
+        if not args.no_cpu_smoke:
+            run(args, "cpu")
+        return 0
+    results = run(args, "cuda")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

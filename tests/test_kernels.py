@@ -1,0 +1,496 @@
+"""The Triton kernels against their pure-PyTorch references, in Triton's CPU interpreter (no GPU needed).
+
+Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is decorated: its own ``tl.sum`` and
+``tl.cumsum`` when triton is first imported, the kernels when ``lightning_scape.kernels`` is. So this
+module sets ``TRITON_INTERPRET=1`` before importing triton. Run alone (``pytest tests/test_kernels.py``)
+that is the first import and every test runs here. In a full run an earlier test module has already
+imported triton compiled for the GPU; then every test here is skipped but
+``test_kernels_in_a_fresh_interpreter_process``, which runs this file in a fresh process instead.
+
+Exact equality is required wherever the kernel does what the ref does with the same rounding (indices,
+error feedback, scatter/decay); the AdamS math is compared with per-dtype tolerances because PyTorch's
+CPU ``sqrt`` is not correctly rounded while the kernels use IEEE ``sqrt_rn`` (last-bit differences).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import: see the docstring
+pytest.importorskip("triton")
+
+import lightning_scape.kernels as K
+from lightning_scape import AdamS, ScapeConfig, ScapeEngine
+
+_REPO = Path(__file__).resolve().parents[1]
+LAUNCHERS = [n for n in K.__all__ if n.endswith("_triton") and n != "use_triton"]
+_FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
+
+# (rows, chunk_size): odd row counts, tiny to default chunks (4096 only with few rows: the interpreter
+# runs every program of the grid one after the other in numpy).
+SHAPES = [(3, 8), (7, 64), (3, 4096)]
+DENSITIES = [1e-3, 1e-2, 0.1, 1.0]
+
+
+def slots(density: float, chunk_size: int) -> int:
+    """k = max(1, round(d * C)), as ScapeConfig.slots_per_chunk."""
+    return max(1, round(density * chunk_size))
+
+
+def random_mask(rows: int, chunk_size: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k distinct chunk-local indices per row, in random (not ascending) order."""
+    return torch.rand(rows, chunk_size, generator=gen).argsort(dim=1)[:, :k].to(torch.int16).contiguous()
+
+
+@pytest.fixture(autouse=True)
+def interpreted(request: pytest.FixtureRequest) -> None:
+    """Skip the in-process tests when the kernels were compiled for the GPU (see the module docstring)."""
+    if not K.INTERPRETED and request.node.originalname != _FRESH_PROCESS_TEST:
+        pytest.skip(f"triton was imported without TRITON_INTERPRET=1 first; {_FRESH_PROCESS_TEST} runs this file")
+
+
+def test_kernels_in_a_fresh_interpreter_process() -> None:
+    if K.INTERPRETED:
+        pytest.skip("the kernels are interpreted in this process: the tests of this file run here")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "LIGHTNING_SCAPE_"))}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        env=env,
+        cwd=_REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+@pytest.fixture
+def force_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let the dispatching ops hand CPU tensors to the (interpreted) kernels."""
+    monkeypatch.setenv("LIGHTNING_SCAPE_FORCE_TRITON", "1")
+    monkeypatch.delenv("LIGHTNING_SCAPE_FORCE_REF", raising=False)
+
+
+@pytest.fixture
+def spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count the calls the dispatching ops make to each ``*_triton`` launcher."""
+    calls: dict[str, int] = {}
+    for name in LAUNCHERS:
+        launcher = getattr(K, name)
+
+        def spy(*args: Any, _f: Callable[..., Any] = launcher, _n: str = name, **kwargs: Any) -> Any:
+            calls[_n] = calls.get(_n, 0) + 1
+            return _f(*args, **kwargs)
+
+        monkeypatch.setattr(K, name, spy)
+    return calls
+
+
+# ---------------------------------------------------------------- error feedback + compaction
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ef_compact_equals_ref_exactly(shape: tuple[int, int], density: float, dtype: torch.dtype) -> None:
+    rows, C = shape
+    k = slots(density, C)
+    gen = torch.Generator().manual_seed(rows * C + k)
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    e = torch.randn(rows * C, generator=gen, dtype=sdt)
+    g = torch.randn(rows * C, generator=gen).to(dtype)
+    mask = random_mask(rows, C, k, gen)
+    e_ref, out_ref = e.clone(), torch.empty(rows * k, dtype=dtype)
+    out = torch.full((rows * k,), 7.0, dtype=dtype)
+    K.ef_compact_ref(e_ref, g, mask, C, out_ref)
+    K.ef_compact_triton(e, g, mask, C, out)
+    assert torch.equal(out, out_ref)
+    assert torch.equal(e, e_ref)  # bf16: the cast's rounding error stays in e, bit for bit
+
+
+# ---------------------------------------------------------------- AdamS on the slots
+
+
+def _tol(dtype: torch.dtype) -> tuple[float, float]:
+    # fp32: a few ulps; bf16: one bf16 ulp (2**-8 relative) where the fp32 values straddle a rounding edge.
+    """(rtol, atol) for parameters of ``dtype``."""
+    return (1e-5, 1e-6) if dtype == torch.float32 else (8e-3, 1e-5)
+
+
+SPARSE_OPTIONS = [
+    {"bias_correction": True, "staleness_correction": False, "catch_up": False},
+    {"bias_correction": False, "staleness_correction": True, "catch_up": True},
+]
+
+
+@pytest.mark.parametrize("options", SPARSE_OPTIONS, ids=["plain", "stale+catchup"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sparse_adams_matches_ref(
+    shape: tuple[int, int], density: float, dtype: torch.dtype, options: dict[str, bool]
+) -> None:
+    rows, C = shape
+    k = slots(density, C)
+    n = rows * C
+    gen = torch.Generator().manual_seed(n + k)
+    param = torch.randn(n, generator=gen).to(dtype)
+    m = torch.randn(n, generator=gen) * 0.01
+    last = torch.randint(0, 12, (n,), generator=gen, dtype=torch.int32)
+    gbar = (torch.randn(rows * k, generator=gen) * 0.1).to(dtype)
+    mask = random_mask(rows, C, k, gen)
+    hyper: dict[str, Any] = dict(
+        step=13, lr=3e-3, lr_update=6e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, catch_up_cap=4.0
+    )
+    hyper.update(options)
+    m_ref, last_ref, out_ref = m.clone(), last.clone(), torch.empty(rows * k, dtype=dtype)
+    out = torch.empty(rows * k, dtype=dtype)
+    K.sparse_adams_ref(param, m_ref, last_ref, gbar, mask, C, out_ref, **hyper)
+    K.sparse_adams_triton(param, m, last, gbar, mask, C, out, **hyper)
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out, out_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-9)
+    assert torch.equal(last, last_ref)
+
+
+# ---------------------------------------------------------------- dense AdamS
+
+
+@pytest.mark.parametrize("lr_update", [None, 2e-3])
+@pytest.mark.parametrize("with_grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 1000, 3 * 1024 + 5])
+def test_dense_adams_matches_ref(n: int, dtype: torch.dtype, with_grad: bool, lr_update: float | None) -> None:
+    gen = torch.Generator().manual_seed(n)
+    param = torch.randn(n, generator=gen).to(dtype)
+    m = torch.randn(n, generator=gen) * 0.01
+    grad = torch.randn(n, generator=gen).to(dtype) if with_grad else None
+    hyper: dict[str, Any] = dict(
+        step=5, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bias_correction=True, lr_update=lr_update
+    )
+    p_ref, m_ref = param.clone(), m.clone()
+    K.dense_adams_ref(p_ref, m_ref, grad, **hyper)
+    K.dense_adams_triton(param, m, grad, **hyper)
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(param, p_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-9)
+
+
+def test_dense_adams_without_weight_decay_on_a_2d_parameter() -> None:
+    gen = torch.Generator().manual_seed(0)
+    param, m, grad = torch.randn(33, 31, generator=gen), torch.zeros(33, 31), torch.randn(33, 31, generator=gen)
+    hyper: dict[str, Any] = dict(
+        step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, bias_correction=False
+    )
+    p_ref, m_ref = param.clone(), m.clone()
+    K.dense_adams_ref(p_ref, m_ref, grad, **hyper)
+    K.dense_adams_triton(param, m, grad, **hyper)
+    torch.testing.assert_close(param, p_ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(m, m_ref, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- scatter + decay
+
+
+@pytest.mark.parametrize("decay", [0.999, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_scatter_decay_equals_ref_exactly(
+    shape: tuple[int, int], density: float, dtype: torch.dtype, decay: float
+) -> None:
+    rows, C = shape
+    k = slots(density, C)
+    gen = torch.Generator().manual_seed(rows * C - k)
+    params = torch.randn(rows * C, generator=gen).to(dtype)
+    values = torch.randn(rows * k, generator=gen).to(dtype)
+    mask = random_mask(rows, C, k, gen)
+    p_ref = params.clone()
+    K.scatter_decay_ref(p_ref, values, mask, C, decay)
+    K.scatter_decay_triton(params, values, mask, C, decay)
+    assert torch.equal(params, p_ref)
+
+
+def test_scatter_decay_rounds_fp32_values_into_bf16_params_like_the_ref() -> None:
+    gen = torch.Generator().manual_seed(3)
+    params = torch.randn(5 * 64, generator=gen).bfloat16()
+    values = torch.randn(5 * 6, generator=gen)  # fp32 values: the kernel must round to nearest even
+    mask = random_mask(5, 64, 6, gen)
+    p_ref = params.clone()
+    K.scatter_decay_ref(p_ref, values, mask, 64, 0.99)
+    K.scatter_decay_triton(params, values, mask, 64, 0.99)
+    assert torch.equal(params, p_ref)
+
+
+# ---------------------------------------------------------------- per-chunk top-k and the fused select
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_chunk_topk_equals_ref_exactly(shape: tuple[int, int], density: float, dtype: torch.dtype) -> None:
+    rows, C = shape
+    k = slots(density, C)
+    gen = torch.Generator().manual_seed(rows + C + k)
+    # The tie rule must be reproduced: bf16 scores are full of ties, and so are integer-valued fp32 ones.
+    if dtype == torch.float32:
+        data = [torch.randn(rows * C, generator=gen), torch.randint(-3, 4, (rows * C,), generator=gen).float()]
+    else:
+        data = [torch.randn(rows * C, generator=gen).to(dtype)] * 2
+    # No exploration, a 10% window, and a window that takes every slot.
+    for s, ke in zip(data, [0, max(1, k // 10)] if dtype == torch.float32 else [max(1, k // 10), k], strict=True):
+        offset = int(torch.randint(0, 3 * C, (1,), generator=gen))
+        got = K.chunk_topk_triton(s, C, k, ke, offset)
+        assert got.dtype == torch.int16 and got.shape == (rows, k)
+        assert torch.equal(got, K.chunk_topk_ref(s, C, k, ke, offset)), (ke, offset)
+
+
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_chunk_topk_picks_the_torch_topk_set_on_tie_free_data(shape: tuple[int, int], density: float) -> None:
+    rows, C = shape
+    k = slots(density, C)
+    gen = torch.Generator().manual_seed(11 * C + k)
+    scores = torch.randperm(rows * C, generator=gen).float()  # distinct values: no ties
+    got = K.chunk_topk_triton(scores, C, k, 0, 0)
+    want = torch.topk(scores.view(rows, C), k, dim=1).indices.sort(dim=1).values
+    assert torch.equal(got.long(), want)
+
+
+def test_chunk_topk_fills_ties_in_index_order_and_forces_the_exploration_window() -> None:
+    scores = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 2.0, 3.0, 0.0, 3.0, 1.0],  # four 3s for three slots: the lowest three indices
+            [5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0],  # all equal: the first three
+            [9.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0],  # one clear winner, then ties at 0
+        ]
+    ).view(-1)
+    assert K.chunk_topk_triton(scores, 8, 3, 0, 0).tolist() == [[1, 2, 4], [0, 1, 2], [0, 1, 7]]
+    # Window of 1 at offset 6 (+8: taken mod C) forces index 6 in; the other two slots as before.
+    assert K.chunk_topk_triton(scores, 8, 3, 1, 14).tolist() == [[1, 2, 6], [0, 1, 6], [0, 6, 7]]
+    # Window of 2 wrapping around the chunk end: indices 7 and 0.
+    assert K.chunk_topk_triton(scores, 8, 3, 2, 7).tolist() == [[0, 1, 7], [0, 1, 7], [0, 1, 7]]
+    for ke, off in [(0, 0), (1, 14), (2, 7)]:
+        assert torch.equal(K.chunk_topk_triton(scores, 8, 3, ke, off), K.chunk_topk_ref(scores, 8, 3, ke, off))
+
+
+def test_chunk_topk_ranks_nan_inf_and_signed_zero_like_the_ref() -> None:
+    special = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.0]
+    )
+    gen = torch.Generator().manual_seed(5)
+    C = 16
+    for _ in range(15):
+        s = special[torch.randint(0, len(special), (3 * C,), generator=gen)]
+        k = int(torch.randint(1, C + 1, (1,), generator=gen))
+        ke = int(torch.randint(0, k + 1, (1,), generator=gen))
+        off = int(torch.randint(0, C, (1,), generator=gen))
+        assert torch.equal(K.chunk_topk_triton(s, C, k, ke, off), K.chunk_topk_ref(s, C, k, ke, off))
+
+
+@pytest.mark.parametrize("statistic", ["momentum", "gradient"])
+@pytest.mark.parametrize("density", DENSITIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_select_mask_equals_ref_exactly(shape: tuple[int, int], density: float, statistic: str) -> None:
+    rows, C = shape
+    k = slots(density, C)
+    ke = min(k, round(0.1 * k))
+    gen = torch.Generator().manual_seed(3 * C + k)
+    m = torch.randn(rows * C, generator=gen) * 0.01
+    e = torch.randn(rows * C, generator=gen) * 0.01
+    offset = int(torch.randint(0, C, (1,), generator=gen))
+    ref = K.select_mask_ref(m, e, 0.9, statistic, C, k, ke, offset)
+    assert torch.equal(ref, K.chunk_topk_ref(K.mask_scores_ref(m, e, 0.9, statistic), C, k, ke, offset))
+    assert torch.equal(K.select_mask_triton(m, e, 0.9, statistic, C, k, ke, offset), ref)
+
+
+def test_kernels_reject_shapes_they_would_index_out_of_bounds() -> None:
+    mask = torch.zeros(2, 3, dtype=torch.int16)
+    with pytest.raises(ValueError, match="out holds"):
+        K.ef_compact_triton(torch.zeros(16), torch.zeros(16), mask, 8, torch.zeros(5))
+    with pytest.raises(ValueError, match="rows \\* chunk_size"):
+        K.scatter_decay_triton(torch.zeros(15), torch.zeros(6), mask, 8, 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        K.chunk_topk_triton(torch.zeros(24), 12, 2, 0, 0)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def _all_ops(dtype: torch.dtype) -> None:
+    """Call every dispatching op once on tiny CPU tensors of parameter dtype ``dtype``."""
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    C, rows, k = 8, 3, 2
+    n = rows * C
+    p, g = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+    e, m = torch.randn(n, dtype=sdt), torch.randn(n, dtype=sdt)
+    mask = K.chunk_topk(K.mask_scores(m, e, 0.9, "momentum"), C, k, 1, 0)
+    K.select_mask(m, e, 0.9, "momentum", C, k, 1, 0)
+    out = torch.empty(n // C * k, dtype=dtype)
+    K.ef_compact(e, g, mask, C, out)
+    hyper: dict[str, Any] = dict(
+        step=2, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bias_correction=True
+    )
+    last = torch.zeros(n, dtype=torch.int32)
+    K.sparse_adams(
+        p, m, last, out, mask, C, out.clone(), lr_update=1e-3, staleness_correction=False, catch_up=False,
+        catch_up_cap=8.0, **hyper,
+    )  # fmt: skip
+    K.scatter_decay(p, out, mask, C, 0.99)
+    K.dense_adams(p, m, g, **hyper)
+
+
+def test_cpu_tensors_run_the_refs_unless_triton_is_forced(
+    spies: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LIGHTNING_SCAPE_FORCE_TRITON", raising=False)
+    _all_ops(torch.float32)
+    assert spies == {}
+
+
+def test_forced_triton_runs_every_kernel(spies: dict[str, int], force_triton: None) -> None:
+    _all_ops(torch.float32)
+    assert set(spies) == set(LAUNCHERS)
+
+
+def test_fp64_runs_the_refs_except_for_the_exact_kernels(spies: dict[str, int], force_triton: None) -> None:
+    _all_ops(torch.float64)
+    # ef_compact and chunk_topk only add, cast and compare: exact in fp64 too. The others apply fp64
+    # hyperparameters, which Triton would round to fp32.
+    assert set(spies) == {"ef_compact_triton", "chunk_topk_triton"}
+
+
+def test_force_ref_wins_over_force_triton(
+    spies: dict[str, int], force_triton: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_SCAPE_FORCE_REF", "1")
+    _all_ops(torch.bfloat16)
+    assert spies == {}
+
+
+def test_non_contiguous_tensors_run_the_ref(spies: dict[str, int], force_triton: None) -> None:
+    p, m, g = torch.randn(6, 4).t(), torch.zeros(6, 4).t(), torch.randn(6, 4).t()
+    K.dense_adams(p, m, g, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, bias_correction=True)
+    assert spies == {}
+
+
+def _run_python(code: str, env: dict[str, str]) -> str:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "LIGHTNING_SCAPE_"))}
+    full_env.update(env)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=full_env, cwd=_REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_package_imports_and_runs_without_triton() -> None:
+    out = _run_python(
+        """
+        import sys
+        sys.modules["triton"] = None  # import triton now raises ImportError
+        import torch
+        import lightning_scape.kernels as K
+        assert not K.HAS_TRITON
+        s = torch.randn(4 * 8, device="cpu")
+        assert torch.equal(K.chunk_topk(s, 8, 3, 1, 0), K.chunk_topk_ref(s, 8, 3, 1, 0))
+        try:
+            K.chunk_topk_triton(s, 8, 3, 1, 0)
+        except RuntimeError as err:
+            print("raised:", err)
+        """,
+        {},
+    )
+    assert "raised: triton is not installed" in out
+
+
+def test_interpret_env_at_import_runs_the_engine_ops_on_kernels() -> None:
+    out = _run_python(
+        """
+        import torch
+        import lightning_scape.kernels as K
+        assert K.INTERPRETED and K.use_triton(torch.zeros(1))
+        calls = []
+        real = K.chunk_topk_triton
+        K.chunk_topk_triton = lambda *a: calls.append(1) or real(*a)
+        s = torch.randn(3 * 64)
+        assert torch.equal(K.chunk_topk(s, 64, 6, 1, 5), K.chunk_topk_ref(s, 64, 6, 1, 5))
+        print("kernel calls:", len(calls))
+        """,
+        {"TRITON_INTERPRET": "1", "LIGHTNING_SCAPE_FORCE_TRITON": "1"},
+    )
+    assert "kernel calls: 1" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels)")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiled_kernels_match_refs_on_cuda(dtype: str) -> None:
+    # This module interprets the kernels; the compiled ones are checked in a process without the interpreter.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "LIGHTNING_SCAPE_"))}
+    script = str(_REPO / "benchmarks" / "bench_kernels.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--check-only", "--dtype", dtype], env=env, cwd=_REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+# ---------------------------------------------------------------- the engine on the kernels
+
+
+def _train(cfg: ScapeConfig, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 4))
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, param_order=list(model.parameters()))
+    gen = torch.Generator().manual_seed(1)
+    masks = []
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=gen)
+        model(x).square().mean().backward()
+        engine.step()
+        engine.zero_grad()
+        if not engine.in_warmup:
+            masks.append(engine.last_built_masks()[0].clone())
+    engine.close()
+    return [p.detach().clone() for p in model.parameters()], masks
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"sharded": False, "unmasked_update": "momentum", "mask_statistic": "gradient", "staleness_correction": True}],
+    ids=["sharded", "replicated-momentum"],
+)
+def test_engine_on_triton_kernels_matches_engine_on_refs(
+    overrides: dict[str, Any], spies: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 2 warm-up steps then 3 sparse steps; 16*24+24+24*4+4 = 508 parameters -> 8 chunks of 64, k = 6.
+    cfg = ScapeConfig(density=0.1, chunk_size=64, dense_warmup_steps=2, **overrides)
+    monkeypatch.setenv("LIGHTNING_SCAPE_FORCE_REF", "1")
+    params_ref, masks_ref = _train(cfg, 5)
+    assert spies == {}
+    monkeypatch.delenv("LIGHTNING_SCAPE_FORCE_REF")
+    monkeypatch.setenv("LIGHTNING_SCAPE_FORCE_TRITON", "1")
+    params, masks = _train(cfg, 5)
+    used = {
+        "dense_adams_triton",
+        "ef_compact_triton",
+        "sparse_adams_triton",
+        "chunk_topk_triton",
+        "scatter_decay_triton",
+    }
+    assert used <= set(spies), spies
+    assert len(masks) == 4  # built at the end of warm-up and after each sparse step
+    for a, b in zip(masks, masks_ref, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(params, params_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
