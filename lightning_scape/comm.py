@@ -28,7 +28,8 @@ KIND_PARAMS = "params"  # parameter values at the mask (sharded sparse steps)
 KIND_INDICES = "indices"  # int16 mask indices (partitioned mask refresh)
 KIND_DENSE = "dense"  # dense warm-up: gradients and parameters
 KIND_SCALARS = "scalars"  # gradient-norm all-reduce and other scalars
-KINDS: tuple[str, ...] = (KIND_VALUES, KIND_PARAMS, KIND_INDICES, KIND_DENSE, KIND_SCALARS)
+KIND_SETUP = "setup"  # rank 0's parameters to every rank, once at construction
+KINDS: tuple[str, ...] = (KIND_VALUES, KIND_PARAMS, KIND_INDICES, KIND_DENSE, KIND_SCALARS, KIND_SETUP)
 
 
 class Pending(Protocol):

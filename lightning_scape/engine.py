@@ -36,6 +36,7 @@ from lightning_scape.comm import (
     KIND_INDICES,
     KIND_PARAMS,
     KIND_SCALARS,
+    KIND_SETUP,
     KIND_VALUES,
     ByteCounters,
     Communicator,
@@ -132,6 +133,10 @@ class ScapeEngine:
         config: The SCAPE configuration.
         communicator: The group's collectives; default: world size 1.
         param_order: The model's parameters in registration order, to predict when gradients arrive.
+        sync_params: Give every rank rank 0's parameters at construction (one all-reduce of the flat
+            buffers, counted as ``setup`` traffic), as DDP's constructor does, so replicas that were
+            initialised differently cannot diverge silently. Pass False only when the caller has already
+            synchronised the model (the Lightning strategies broadcast parameters and buffers at set-up).
     """
 
     def __init__(
@@ -140,6 +145,7 @@ class ScapeEngine:
         config: ScapeConfig | None = None,
         communicator: Communicator | None = None,
         param_order: list[torch.nn.Parameter] | None = None,
+        sync_params: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.config = config or ScapeConfig()
@@ -175,16 +181,41 @@ class ScapeEngine:
                 self._bucket_of[id(p)] = bs
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self.numel = sum(b.layout.numel for b in self.buckets)
+        self.counters = ByteCounters(world_size=self.world_size)
+        self._sync_initial_params(sync_params)
         self.padded_numel = sum(b.layout.padded_numel for b in self.buckets)
         self.step_count = 0
         self.refresh_count = 0
         self.require_backward_grad_sync = True
-        self.counters = ByteCounters(world_size=self.world_size)
         self.last_grad_norm: float | None = None
+        # Set by the Lightning strategies (lightning_scape/_wiring.py) for fp16 loss scaling (GradScaler):
+        # ``grad_scale`` is the loss scale the incoming gradients carry (divided out before they touch the
+        # residual); ``check_finite`` makes every rank skip a step in which any rank saw a non-finite value.
+        self.grad_scale: float | None = None
+        self.check_finite = False
+        self.last_step_skipped = False
+        self.last_used_masks: list[Tensor] | None = None  # per bucket, the mask of the last sparse step
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.buckets[0].params.device)
+        self._synced = False  # this step's value collectives were waited on and averaged
+        self._step_sq_norm: Tensor | None = None  # this step's global squared norm, once computed
         self._next_launch = 0
         self._step_open = False
         if cfg.dense_warmup_steps == 0 and cfg.mask_delay > 0:
             self._refresh_masks(new=True)
+
+    @torch.no_grad()
+    def _sync_initial_params(self, enabled: bool) -> None:
+        """Rank 0's parameters everywhere: the others contribute zeros to one all-reduce (exact)."""
+        if not enabled or self.world_size == 1:
+            return
+        pending = []
+        for bs in self.buckets:
+            if self.rank != 0:
+                bs.params.zero_()
+            pending.append(self.comm.all_reduce_sum(bs.params))
+            self.counters.count_all_reduce(KIND_SETUP, bs.layout.padded_numel, bs.layout.dtype.itemsize)
+        for p in pending:
+            self.counters.timed_wait(p)
 
     # ------------------------------------------------------------------ public API
 
@@ -231,22 +262,46 @@ class ScapeEngine:
         self._launch_in_order(all_buckets=True)
         t = self.step_count + 1
         if self.in_warmup:
-            self._dense_step(t, max_grad_norm, clip_value)
+            applied = self._dense_step(t, max_grad_norm, clip_value)
         else:
-            self._sparse_step(t, max_grad_norm, clip_value)
-        self.step_count = t
-        self.counters.steps = t
+            applied = self._sparse_step(t, max_grad_norm, clip_value)
+        self.last_step_skipped = not applied
+        if applied:
+            self.step_count = t
+            self.counters.steps = t
         self._next_launch = 0
         for bs in self.buckets:
             bs.launched = False
             bs.ready = 0
         self._step_open = False
+        self._synced = False
+        self._step_sq_norm = None
+        self._nonfinite.zero_()
 
-    def close(self) -> None:
-        """Remove the gradient hooks and wait for collectives still in flight."""
+    @torch.no_grad()
+    def global_grad_norm(self) -> float:
+        """Global L2 norm of this step's synchronised gradient, before clipping (call after backward).
+
+        Finishes the step's synchronisation early (:meth:`step` then does not wait again). In sharded mode
+        it costs the scalar all-reduce that norm clipping uses, shared with it.
+        """
+        self._open_step()
+        self._launch_in_order(all_buckets=True)
+        norm = self._squared_norm(self._synced_grads(), reduce=self.config.sharded).sqrt()
+        self.last_grad_norm = float(norm.item())
+        return self.last_grad_norm
+
+    def close(self, wait: bool = True) -> None:
+        """Remove the gradient hooks and wait for collectives still in flight.
+
+        Args:
+            wait: False after a failed collective: drop what is in flight instead of waiting for it.
+        """
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if not wait:
+            return
         for bs in self.buckets:
             for m in bs.masks:
                 self._wait_mask(m)
@@ -334,6 +389,10 @@ class ScapeEngine:
 
     def _launch(self, bs: _BucketState) -> None:
         self._adopt_grads(bs)
+        if self.grad_scale is not None and self.grad_scale != 1.0:
+            bs.grads.mul_(1.0 / self.grad_scale)
+        if self.check_finite:
+            self._nonfinite |= ~torch.isfinite(bs.grads).all()
         cfg, c = self.config, self.counters
         item = bs.layout.dtype.itemsize
         if self.in_warmup:
@@ -353,7 +412,10 @@ class ScapeEngine:
                 self._build_mask_from_current_gradient(bs, t)
             mask = bs.masks[0]
             self._wait_mask(mask)
-            kernels.ef_compact(bs.residual, bs.grads, mask.indices, bs.layout.chunk_size, bs.values)
+            if self.check_finite:
+                self._compact_deferred(bs, mask.indices)
+            else:
+                kernels.ef_compact(bs.residual, bs.grads, mask.indices, bs.layout.chunk_size, bs.values)
             if cfg.sharded:
                 bs.pending = self.comm.reduce_scatter_sum(bs.gbar, bs.values)
                 c.count_reduce_scatter(KIND_VALUES, bs.slots, item)
@@ -368,33 +430,79 @@ class ScapeEngine:
     def _group(self, bs: _BucketState) -> dict[str, Any]:
         return self.optimizer.param_groups[bs.layout.group_index]
 
-    def _clip_coef(self, squares: list[Tensor], max_grad_norm: float | None, reduce: bool) -> Tensor | None:
+    def _synced_grads(self) -> list[Tensor]:
+        """Per bucket, this step's averaged gradient: waits for the value collectives once per step."""
+        cfg, w = self.config, self.world_size
+        out: list[Tensor] = []
+        for bs in self.buckets:
+            g = (bs.dense_shard if cfg.sharded else bs.grads) if self.in_warmup else bs.gbar
+            assert g is not None
+            if not self._synced:
+                assert bs.pending is not None
+                self.counters.timed_wait(bs.pending)
+                bs.pending = None
+                if w > 1:
+                    g.div_(w)
+            out.append(g)
+        self._synced = True
+        return out
+
+    def _squared_norm(self, grads: list[Tensor], reduce: bool) -> Tensor:
+        """Global squared L2 norm of ``grads`` (``reduce``: sum over ranks first), once per step."""
+        if self._step_sq_norm is None:
+            squares = [g.float().square().sum() for g in grads]
+            sq = torch.stack([s.to(torch.float64) for s in squares]).sum().reshape(1)
+            if reduce and self.world_size > 1:
+                sq32 = sq.to(torch.float32)
+                self.counters.timed_wait(self.comm.all_reduce_sum(sq32))
+                self.counters.count_all_reduce(KIND_SCALARS, 1, 4)
+                sq = sq32.to(torch.float64)
+            self._step_sq_norm = sq
+        return self._step_sq_norm
+
+    def _clip_coef(self, grads: list[Tensor], max_grad_norm: float | None, reduce: bool) -> Tensor | None:
         """Global-norm clipping coefficient (``reduce``: sum the squares over ranks first)."""
-        if max_grad_norm is None or not squares:
+        if max_grad_norm is None or not grads:
             return None
-        sq = torch.stack([s.to(torch.float64) for s in squares]).sum().reshape(1)
-        if reduce and self.world_size > 1:
-            sq32 = sq.to(torch.float32)
-            self.counters.timed_wait(self.comm.all_reduce_sum(sq32))
-            self.counters.count_all_reduce(KIND_SCALARS, 1, 4)
-            sq = sq32.to(torch.float64)
-        norm = sq.sqrt()
+        norm = self._squared_norm(grads, reduce).sqrt()
         self.last_grad_norm = float(norm.item())
         return (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
 
-    def _dense_step(self, t: int, max_grad_norm: float | None, clip_value: float | None) -> None:
-        cfg, w = self.config, self.world_size
-        grads: list[Tensor] = []
-        for bs in self.buckets:
-            assert bs.pending is not None
-            self.counters.timed_wait(bs.pending)
-            bs.pending = None
-            g = bs.dense_shard if cfg.sharded else bs.grads
-            assert g is not None
-            if w > 1:
-                g.div_(w)
-            grads.append(g)
-        coef = self._clip_coef([g.float().square().sum() for g in grads], max_grad_norm, reduce=cfg.sharded)
+    def _any_nonfinite(self, received: list[Tensor]) -> bool:
+        """Whether any rank saw a non-finite value this step (one scalar all-reduce, so all ranks agree)."""
+        flag = self._nonfinite.clone()
+        for g in received:
+            flag |= ~torch.isfinite(g).all()
+        f = flag.to(torch.float32).reshape(1)
+        if self.world_size > 1:
+            self.counters.timed_wait(self.comm.all_reduce_sum(f))
+            self.counters.count_all_reduce(KIND_SCALARS, 1, 4)
+        return bool(f.item() > 0)
+
+    def _compact_deferred(self, bs: _BucketState, mask: Tensor) -> None:
+        """``ef_compact`` without writing the residual: ``v = (e + g)[mask]``, bitwise the same values.
+
+        With ``check_finite`` the residual takes the gradient only in :meth:`_finish_deferred_ef`, once every
+        rank agreed that the step is finite, so a skipped step leaves it untouched.
+        """
+        pos = kernels.mask_positions(mask, bs.layout.chunk_size)
+        bs.values.copy_(bs.residual.index_select(0, pos).add_(bs.grads.index_select(0, pos)))
+
+    def _finish_deferred_ef(self, bs: _BucketState, mask: Tensor) -> None:
+        """The residual half of ``ef_compact``: ``e = e + g``, then the sent slots keep their rounding error."""
+        pos = kernels.mask_positions(mask, bs.layout.chunk_size)
+        bs.residual.add_(bs.grads)
+        picked = bs.residual.index_select(0, pos)
+        sent = picked.to(bs.values.dtype).to(bs.residual.dtype)
+        bs.residual.index_copy_(0, pos, picked.sub_(sent))
+
+    def _dense_step(self, t: int, max_grad_norm: float | None, clip_value: float | None) -> bool:
+        """One dense warm-up step; False when it was skipped (``check_finite``)."""
+        cfg = self.config
+        grads = self._synced_grads()
+        if self.check_finite and self._any_nonfinite(grads):
+            return False
+        coef = self._clip_coef(grads, max_grad_norm, reduce=cfg.sharded)
         gathers: list[tuple[_BucketState, Pending]] = []
         for bs, g in zip(self.buckets, grads, strict=True):
             if coef is not None:
@@ -430,18 +538,19 @@ class ScapeEngine:
                 bs.last_sent.fill_(t)
             if cfg.mask_delay > 0:
                 self._refresh_masks(new=True)
+        return True
 
-    def _sparse_step(self, t: int, max_grad_norm: float | None, clip_value: float | None) -> None:
-        cfg, w = self.config, self.world_size
-        for bs in self.buckets:
-            assert bs.pending is not None
-            self.counters.timed_wait(bs.pending)
-            bs.pending = None
-            if w > 1:
-                bs.gbar.div_(w)
-        coef = self._clip_coef(
-            [bs.gbar.float().square().sum() for bs in self.buckets], max_grad_norm, reduce=cfg.sharded
-        )
+    def _sparse_step(self, t: int, max_grad_norm: float | None, clip_value: float | None) -> bool:
+        """One sparse step; False when it was skipped (``check_finite``)."""
+        cfg = self.config
+        gbars = self._synced_grads()
+        if self.check_finite:
+            if self._any_nonfinite(gbars):
+                return False
+            for bs in self.buckets:
+                self._finish_deferred_ef(bs, self._used_mask(bs).indices)
+        self.last_used_masks = [self._used_mask(bs).indices for bs in self.buckets]
+        coef = self._clip_coef(gbars, max_grad_norm, reduce=cfg.sharded)
         gathers: list[tuple[_BucketState, Pending]] = []
         for bs in self.buckets:
             if coef is not None:
@@ -465,6 +574,7 @@ class ScapeEngine:
             )
         for bs in self.buckets:
             bs.masks.popleft()
+        return True
 
     def _used_mask(self, bs: _BucketState) -> Mask:
         return bs.masks[0]
@@ -576,9 +686,9 @@ class ScapeEngine:
         if self._mask_is_local():
             # Replicated momentum statistic: the full |m| is identical on every rank (the residual is
             # not), so every rank computes every shard's mask and nothing is sent.
-            return Mask(kernels.chunk_topk(bs.momentum.abs().float(), C, k, ke, offset), t)
-        scores = kernels.mask_scores(momentum, residual, b1, cfg.mask_statistic)
-        own = kernels.chunk_topk(scores, C, k, ke, offset)
+            # select_mask's "gradient" statistic is |second argument|: here |m|.
+            return Mask(kernels.select_mask(bs.momentum, bs.momentum, b1, "gradient", C, k, ke, offset), t)
+        own = kernels.select_mask(momentum, residual, b1, cfg.mask_statistic, C, k, ke, offset)
         full = torch.empty(bs.layout.chunks, k, dtype=torch.int16, device=dev)
         pending = self.comm.all_gather(full.view(-1), own.view(-1))
         self.counters.count_all_gather(KIND_INDICES, own.numel(), 2)
@@ -617,30 +727,58 @@ class ScapeEngine:
             ],
         }
 
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; refuses a state from another configuration, layout or world size."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"SCAPE state has version {state.get('version')!r}; this engine reads {_STATE_VERSION}."
-            )
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ``ValueError`` unless :meth:`load_state_dict` can restore ``state`` exactly; changes nothing.
+
+        Checks the format version, world size and rank, the configuration (``collective_timeout_s`` may
+        differ), the bucket layout, and the shape and dtype of every saved tensor.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            found = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"SCAPE state has version {found!r}; this engine reads {_STATE_VERSION}.")
         if state["world_size"] != self.world_size or state["rank"] != self.rank:
             raise ValueError(
                 f"SCAPE state was saved by rank {state['rank']} of {state['world_size']}, but this is rank "
                 f"{self.rank} of {self.world_size}; resume on the same world size."
             )
-        if state["config"] != self.config.to_dict():
-            diff = {
-                k: (v, self.config.to_dict().get(k))
-                for k, v in state["config"].items()
-                if self.config.to_dict().get(k) != v
-            }
-            raise ValueError(f"SCAPE state comes from another configuration (saved, current): {diff}")
-        layout = [(b.layout.group_index, b.layout.numel, b.layout.padded_numel) for b in self.buckets]
-        if [tuple(x) for x in state["layout"]] != layout:
+        mine = self.config.to_dict()
+        diff = {
+            k: (state["config"].get(k), v)
+            for k, v in mine.items()
+            if k != "collective_timeout_s" and state["config"].get(k) != v
+        }
+        if diff:
             raise ValueError(
-                "SCAPE state has another bucket layout (model, param groups or bucket_cap_mb changed)."
+                f"SCAPE state comes from another configuration (field: (saved, current)): {diff}. Resume with "
+                "the configuration the checkpoint was written with."
             )
+        layout = [(b.layout.group_index, b.layout.numel, b.layout.padded_numel) for b in self.buckets]
+        if [tuple(x) for x in state["layout"]] != layout or len(state["buckets"]) != len(self.buckets):
+            raise ValueError(
+                "SCAPE state has another bucket layout (model, param groups or bucket_cap_mb changed): "
+                f"saved {[tuple(x) for x in state['layout']]}, current {layout}."
+            )
+        k = self.config.slots_per_chunk
+        for i, (bs, saved) in enumerate(zip(self.buckets, state["buckets"], strict=True)):
+            expect = {"momentum": bs.momentum, "residual": bs.residual, "last_sent": bs.last_sent}
+            for name, t in expect.items():
+                got = saved[name]
+                if not isinstance(got, Tensor) or got.shape != t.shape or got.dtype != t.dtype:
+                    desc = (got.dtype, tuple(got.shape)) if isinstance(got, Tensor) else type(got).__name__
+                    raise ValueError(
+                        f"SCAPE state: bucket {i} {name} is {desc}, expected {(t.dtype, tuple(t.shape))}."
+                    )
+            masks = list(saved["masks"]) + ([] if saved["last_built"] is None else [saved["last_built"]])
+            for ix, _at in masks:
+                if not isinstance(ix, Tensor) or ix.dtype != torch.int16 or tuple(ix.shape) != (bs.layout.chunks, k):
+                    raise ValueError(
+                        f"SCAPE state: bucket {i} has a mask that is not int16 of shape {(bs.layout.chunks, k)}."
+                    )
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses (changing nothing) a state that :meth:`check_state_dict` rejects."""
+        self.check_state_dict(state)
         for bs, saved in zip(self.buckets, state["buckets"], strict=True):
             bs.momentum.copy_(saved["momentum"])
             bs.residual.copy_(saved["residual"])

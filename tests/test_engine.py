@@ -7,7 +7,15 @@ from typing import Any
 
 import pytest
 import torch
-from _scape_worker import make_batch, make_model, mass_worker, param_groups, reference_dense_adams, run_worker
+from _scape_worker import (
+    flat_params,
+    make_batch,
+    make_model,
+    mass_worker,
+    param_groups,
+    reference_dense_adams,
+    run_worker,
+)
 from torch import nn
 
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
@@ -415,3 +423,27 @@ def test_an_optimizer_without_adams_groups_is_refused() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"lightning_scape\.AdamS"):
         ScapeEngine(opt, ScapeConfig())
+
+
+def test_construction_gives_every_rank_rank_zeros_parameters() -> None:
+    """Like DDP's constructor: differently initialised replicas start identical (and the bytes are counted)."""
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=1)
+
+    def worker(rank: int, comm: Communicator) -> tuple[torch.Tensor, dict[str, int], int]:
+        model = make_model(seed=rank)  # a different initialisation on every rank
+        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, comm)
+        return flat_params(model), dict(engine.counters.total_sent), engine.padded_numel
+
+    out = simulate(3, worker)
+    expected = flat_params(make_model(seed=0))
+    for params, sent, n in out:
+        assert torch.equal(params, expected)
+        assert sent["setup"] == 2 * (3 - 1) * n * 4 // 3 and sum(sent.values()) == sent["setup"]
+
+    def unsynced(rank: int, comm: Communicator) -> torch.Tensor:
+        model = make_model(seed=rank)
+        ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, comm, sync_params=False)
+        return flat_params(model)
+
+    a, b, _ = simulate(3, unsynced)
+    assert not torch.equal(a, b)

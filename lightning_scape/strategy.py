@@ -1,0 +1,385 @@
+"""``ScapeStrategy`` for Lightning Fabric: DDP's processes and cluster handling, SCAPE's communication.
+
+A thin adapter: the engine (``lightning_scape/engine.py``) holds the algorithm and ``lightning_scape/_wiring.py``
+what this strategy shares with the Trainer's (``lightning_scape/pytorch/strategy.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.accelerators.accelerator import Accelerator
+from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.types import _PATH, Optimizable, _Stateful
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import Unpack, override
+
+from lightning_scape import _wiring
+from lightning_scape._wiring import ScapeOptimizer, ScapeOptions
+from lightning_scape.config import ScapeConfig
+from lightning_scape.engine import ScapeEngine
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import _LRScheduler
+
+
+class ScapeStrategy(DDPStrategy):
+    """SCAPE sparse data parallelism for Fabric: ``Fabric(strategy=ScapeStrategy(density=0.01))``.
+
+    Processes, devices and multi-node clusters (torchrun, SLURM, ``MASTER_ADDR``/``NODE_RANK``, ...) work as
+    in Lightning's ``DDPStrategy``, but the model is not wrapped in ``DistributedDataParallel``: gradients
+    travel through the SCAPE engine (one sparse collective per step after the dense warm-up), and the
+    optimizer returned by ``fabric.setup`` / ``fabric.setup_optimizers`` is a
+    :class:`~lightning_scape._wiring.ScapeOptimizer` whose ``step`` is the engine's step. The optimizer
+    you create must be :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``torch.optim.Adam`` (the
+    last two are converted to AdamS with the same hyperparameters).
+
+    Supported: ``fabric.no_backward_sync`` for gradient accumulation (nothing is sent on accumulating
+    micro-batches), ``fabric.clip_gradients`` (by the global norm of the synchronised gradient, or by
+    value), precision ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (a step with inf/nan gradients is
+    skipped on every rank, momentum and residual untouched), ``torch.compile``, and ``fabric.save`` /
+    ``fabric.load``: every rank writes its own SCAPE state beside the checkpoint
+    (``<path>.scape/rank-XXXXX.pt``), so a resumed run continues bitwise identically.
+
+    Not supported: resuming on another world size (refused with an error that says so, before anything is
+    loaded), ``fabric.load_raw`` of a SCAPE optimizer, and clipping ``param.grad`` yourself (the gradients were
+    sent during backward; use ``fabric.clip_gradients``, which clips the synchronised values).
+
+    Args:
+        accelerator: The accelerator (Fabric picks it from ``Fabric(accelerator=...)`` when None).
+        parallel_devices: The devices of this node (Fabric fills it from ``devices``).
+        cluster_environment: How processes find each other (auto-detected: torchrun, SLURM, LSF, ...).
+        checkpoint_io: How checkpoint files are written; the per-rank SCAPE files go through it as well.
+        precision: The precision plugin (Fabric builds it from ``Fabric(precision=...)``).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default: NCCL on CUDA, gloo on the CPU.
+        timeout: Process-group timeout for Lightning's own collectives; default ``collective_timeout_s``. Keep
+            it close to ``collective_timeout_s``: a failed rank's process cannot exit while a gloo/NCCL
+            operation is still waiting for a dead peer.
+        start_method: ``"popen"`` (default: re-runs the script for every local rank), ``"spawn"``, ``"fork"``
+            or ``"forkserver"`` (for notebooks and functions launched with ``fabric.launch(fn)``).
+        config: A whole :class:`~lightning_scape.ScapeConfig`; keyword options below override its fields.
+        **options: Any :class:`~lightning_scape.ScapeConfig` field.
+    """
+
+    __doc__ = (__doc__ or "") + _wiring.OPTIONS_DOC
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        config: ScapeConfig | None = None,
+        **options: Unpack[ScapeOptions],
+    ) -> None:
+        self.scape_config = _wiring.resolve_config(config, options)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=_wiring.process_group_timeout(timeout, self.scape_config),
+            start_method=start_method,
+        )
+        self._backward_sync_control = _ScapeBackwardSyncControl(self)
+        self._scape_modules: list[Module] = []
+        self._scape_optimizers: list[ScapeOptimizer] = []
+        self._failed = False
+
+    @property
+    def scape_optimizers(self) -> list[ScapeOptimizer]:
+        """The optimizers this strategy set up, in set-up order (normally one)."""
+        return list(self._scape_optimizers)
+
+    @property
+    def scape_modules(self) -> list[Module]:
+        """The modules this strategy set up, in set-up order."""
+        return list(self._scape_modules)
+
+    @property
+    def engine(self) -> ScapeEngine:
+        """The :class:`~lightning_scape.ScapeEngine` of the most recently set-up optimizer."""
+        if not self._scape_optimizers:
+            raise RuntimeError("No optimizer was set up yet: call fabric.setup(model, optimizer) first.")
+        return self._scape_optimizers[-1].engine
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: _LRScheduler | None = None
+    ) -> tuple[Module, list[Optimizer], _LRScheduler | None]:
+        """Broadcast rank 0's weights, lay the parameters out for SCAPE and wrap the optimizer."""
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"ScapeStrategy steps one optimizer per model, got {len(optimizers)}. Put all parameters in "
+                "param groups of one AdamS / AdamW."
+            )
+        module = self.setup_module(module)
+        return module, [self.setup_optimizer(optimizers[0])], scheduler
+
+    @override
+    def setup_module(self, module: Module) -> Module:  # type: ignore[override]
+        """Give every rank rank 0's parameters and buffers; the module is not wrapped."""
+        _wiring.broadcast_module_states(module)
+        self._scape_modules.append(module)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Build the SCAPE engine for ``optimizer`` (its parameters become views of flat buffers)."""
+        module = next((m for m in reversed(self._scape_modules) if _shares_params(m, optimizer)), None)
+        scape = _wiring.build_scape_optimizer(
+            optimizer,
+            self.scape_config,
+            module,
+            check_finite=_wiring.grad_scaler_of(self.precision) is not None,
+        )
+        self._scape_optimizers.append(scape)
+        return scape
+
+    # ----------------------------------------------------------------------------------------- a step
+
+    @override
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        """Tell the engine the fp16 loss scale (if any), then backward: buckets launch from the hooks."""
+        _wiring.set_grad_scale(self._scape_optimizers, _wiring.grad_scaler_of(self.precision))
+        try:
+            super().backward(tensor, module, *args, **kwargs)
+        except BaseException:
+            self._failed = True
+            raise
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """The SCAPE step; with fp16 loss scaling the ``GradScaler`` learns whether it was skipped."""
+        opt = _wiring.unwrap_optimizer(optimizer)
+        scaler = _wiring.grad_scaler_of(self.precision)
+        try:
+            if scaler is None or not isinstance(opt, ScapeOptimizer):
+                return super().optimizer_step(optimizer, **kwargs)
+            out = opt.step(**kwargs)
+        except BaseException:
+            self._failed = True
+            raise
+        _wiring.report_step_to_scaler(scaler, opt)
+        return out
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip the synchronised gradient to global L2 norm ``max_norm`` in the coming step.
+
+        Returns:
+            The global norm before clipping. Computing it finishes the step's synchronisation early, which
+            costs nothing when ``optimizer.step()`` follows.
+        """
+        opt = self._scape_optimizer_of(optimizer)
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"ScapeStrategy clips by the global L2 norm of the synchronised gradient; norm_type={norm_type} is "
+                "not supported. Use norm_type=2."
+            )
+        norm = opt.engine.global_grad_norm()
+        finite = torch.isfinite(torch.tensor(norm)).item()
+        if error_if_nonfinite and not finite and _wiring.grad_scaler_of(self.precision) is None:
+            raise RuntimeError(
+                f"The global norm of the synchronised gradient is {norm}. Pass error_if_nonfinite=False to skip "
+                "this check, or find the source of the inf/nan (learning rate too high?)."
+            )
+        opt.request_clip(max_norm=float(max_norm))
+        return torch.tensor(norm, device=self.root_device)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Clamp every synchronised gradient value to ``[-clip_val, clip_val]`` in the coming step."""
+        self._scape_optimizer_of(optimizer).request_clip(clip_value=float(clip_val))
+
+    def _scape_optimizer_of(self, optimizer: Any) -> ScapeOptimizer:
+        opt = _wiring.unwrap_optimizer(optimizer)
+        if not isinstance(opt, ScapeOptimizer):
+            raise TypeError(
+                f"Expected the optimizer returned by fabric.setup (a ScapeOptimizer), got {type(opt).__name__}."
+            )
+        return opt
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's full state for a SCAPE optimizer (``fabric.save`` splits it into stub and rank file)."""
+        opt = _wiring.unwrap_optimizer(optimizer)
+        if isinstance(opt, ScapeOptimizer):
+            return opt.state_dict()
+        return super().get_optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Rank 0 writes ``path`` (model, stubs, everything else); every rank writes its SCAPE file beside it."""
+        keys = [k for k, v in state.items() if isinstance(_wiring.unwrap_optimizer(v), ScapeOptimizer)]
+        if not keys:
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
+        converted = self._convert_stateful_objects_in_state(state, filter=(filter or {}))
+        save_id = _wiring.new_save_id(self.broadcast)
+        full = {k: converted[k] for k in keys}
+        for k in keys:
+            converted[k] = _wiring.make_stub(full[k], save_id)
+        _wiring.save_rank_states(
+            self.checkpoint_io, path, self.global_rank, self.world_size, full, save_id, storage_options
+        )
+        self.barrier()
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore a checkpoint; everything is checked (files, configuration, shapes) before anything is loaded."""
+        if isinstance(state, Optimizer) and isinstance(_wiring.unwrap_optimizer(state), ScapeOptimizer):
+            raise TypeError(
+                "A SCAPE optimizer cannot load a raw optimizer file (fabric.load_raw): its state is per rank. "
+                "Save and load it with fabric.save / fabric.load and a state dict."
+            )
+        if not isinstance(state, dict) or not state:
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        scape = {k: _wiring.unwrap_optimizer(v) for k, v in state.items()}
+        scape = {k: v for k, v in scape.items() if isinstance(v, ScapeOptimizer)}
+        error: BaseException | None = None
+        checkpoint: dict[str, Any] = {}
+        full: dict[str, dict[str, Any]] = {}
+        try:
+            checkpoint, full = self._read_and_check(path, state, scape, strict, weights_only)
+        except Exception as exc:
+            error = exc
+        _wiring.agree(error, f"Loading checkpoint {os.fspath(path)!r}")
+        for name, obj in list(state.items()):
+            if name not in checkpoint:
+                continue
+            if name in scape:
+                scape[name].load_state_dict(full[name])
+                checkpoint.pop(name)
+            elif isinstance(obj, Module):
+                self.load_module_state_dict(module=obj, state_dict=checkpoint.pop(name), strict=strict)
+            elif isinstance(obj, _Stateful):
+                obj.load_state_dict(checkpoint.pop(name))
+            else:
+                state[name] = checkpoint.pop(name)
+        return checkpoint
+
+    def _read_and_check(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        scape: dict[str, ScapeOptimizer],
+        strict: bool,
+        weights_only: bool | None,
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """Read the checkpoint and this rank's SCAPE file and check that everything fits; loads nothing."""
+        checkpoint = _wiring.load_main_checkpoint(self.checkpoint_io, path, weights_only)
+        full = _wiring.load_rank_states(
+            self.checkpoint_io,
+            path,
+            {k: checkpoint.get(k) for k in scape},
+            self.global_rank,
+            self.world_size,
+            weights_only,
+        )
+        where = f"Checkpoint {os.fspath(path)!r}"
+        for k, opt in scape.items():
+            try:
+                opt.check_state_dict(full[k])
+            except ValueError as exc:
+                raise ValueError(f"{where}, {k!r}: {exc} Nothing was loaded.") from exc
+        for k, obj in state.items():
+            if isinstance(obj, Module) and k in checkpoint:
+                _wiring.check_module_state(obj, checkpoint[k], strict, f"{where}, {k!r}")
+        missing = [k for k in state if k not in checkpoint]
+        if strict and missing:
+            raise KeyError(
+                f"The requested state contains a key {missing[0]!r} that does not exist in the loaded checkpoint. "
+                "To disable strict loading, set `strict=False`."
+            )
+        return checkpoint, full
+
+    # -------------------------------------------------------------------------------------- lifecycle
+
+    @override
+    def teardown(self) -> None:
+        """Remove the engines' hooks (without waiting on collectives when a rank failed)."""
+        for opt in self._scape_optimizers:
+            opt.engine.close(wait=not self._failed)
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
+        for name, start_method in (("scape", "popen"), ("scape_spawn", "spawn")):
+            _wiring.register(
+                strategy_registry,
+                name,
+                cls,
+                description=f"SCAPE sparse data parallelism with start_method={start_method!r}",
+                start_method=start_method,
+            )
+
+
+class _ScapeBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: backward passes accumulate locally and launch no collective."""
+
+    def __init__(self, strategy: ScapeStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        for opt in reversed(self._strategy.scape_optimizers):
+            if opt.owns(module):
+                return opt.engine.no_sync()
+        return nullcontext()  # no optimizer set up for this module yet: nothing would be sent anyway
+
+
+def _shares_params(module: Module, optimizer: Optimizer) -> bool:
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return any(id(p) in ids for p in module.parameters())
+
+
+ScapeStrategy.register_strategies(STRATEGY_REGISTRY)

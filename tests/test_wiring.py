@@ -1,0 +1,259 @@
+"""In-process tests of what both strategies share (``lightning_scape/_wiring.py``) and the engine support
+they use (fp16 unscaling and skipping, the early global norm, state checks). No process group needed."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from _lightning_common import make_net, param_groups
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_scape
+from lightning_scape import AdamS, ScapeConfig, ScapeEngine, ScapeOptimizer, simulate
+from lightning_scape import _wiring as wiring
+from lightning_scape.comm import Communicator
+
+CFG = ScapeConfig(density=0.1, chunk_size=64, dense_warmup_steps=2, bucket_cap_mb=0.004)
+
+# ------------------------------------------------------------------------------------------ options
+
+
+@pytest.mark.parametrize("cls", [lightning_scape.ScapeStrategy, lightning_scape.pytorch.ScapeStrategy])
+def test_strategy_options_become_one_validated_config(cls: Any) -> None:
+    assert cls(density=0.05, chunk_size=128).scape_config == ScapeConfig(density=0.05, chunk_size=128)
+    base = ScapeConfig(density=0.2, sharded=False)
+    assert cls(config=base, dense_warmup_steps=3).scape_config == base.replace(dense_warmup_steps=3)
+    with pytest.raises(TypeError, match=r"\['find_unused_parameters'\].*DistributedDataParallel"):
+        cls(find_unused_parameters=True)
+    with pytest.raises(ValueError, match="density"):
+        cls(density=2.0)
+    # The process-group timeout follows the collective timeout, less the time the diagnosis takes.
+    assert cls(collective_timeout_s=60.0)._timeout == timedelta(seconds=54.0)
+    assert cls(timeout=timedelta(seconds=7))._timeout == timedelta(seconds=7)
+
+
+def test_option_names_are_the_config_fields() -> None:
+    assert set(wiring.ScapeOptions.__annotations__) == set(wiring.SCAPE_OPTION_NAMES)
+
+
+def test_registered_with_fabric_and_trainer_idempotently() -> None:
+    for registry, cls in ((STRATEGY_REGISTRY, lightning_scape.ScapeStrategy),
+                          (StrategyRegistry, lightning_scape.pytorch.ScapeStrategy)):
+        for name in ("scape", "scape_spawn"):
+            assert dict.get(registry, name)["strategy"] is cls
+        before = dict(registry)
+        cls.register_strategies(registry)  # what a spawned worker's import does again
+        assert dict(registry) == before
+    fabric = Fabric(strategy="scape", accelerator="cpu", devices=2)
+    assert type(fabric.strategy) is lightning_scape.ScapeStrategy and fabric.strategy.scape_config == ScapeConfig()
+    trainer = Trainer(strategy="scape", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)
+    assert type(trainer.strategy) is lightning_scape.pytorch.ScapeStrategy
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+# --------------------------------------------------------------------------------------- optimizers
+
+
+def test_adamw_becomes_adams_sharing_its_param_groups() -> None:
+    net = make_net()
+    adamw = torch.optim.AdamW(param_groups(net), lr=0.02, betas=(0.8, 0.9), eps=1e-6)
+    adams = wiring.to_adams(adamw)
+    assert isinstance(adams, AdamS)
+    assert all(a is b for a, b in zip(adams.param_groups, adamw.param_groups, strict=True))
+    assert adams.param_groups[1]["lr"] == 0.01 and adams.param_groups[0]["betas"] == (0.8, 0.9)
+    assert adams.param_groups[0]["bias_correction"] is True
+    adamw.param_groups[0]["lr"] = 0.5  # what an LR scheduler does
+    assert adams.param_groups[0]["lr"] == 0.5
+    same = AdamS(net.parameters())
+    assert wiring.to_adams(same) is same
+
+
+def test_unsupported_optimizers_are_refused_with_the_alternatives() -> None:
+    net = make_net()
+    with pytest.raises(TypeError, match=r"AdamW and torch.optim.Adam .*got torch.optim.sgd.SGD"):
+        wiring.to_adams(torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        wiring.to_adams(torch.optim.AdamW(net.parameters(), amsgrad=True))
+    stepped = torch.optim.AdamW(net.parameters())
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    stepped.step()
+    with pytest.raises(ValueError, match="already holds optimizer state"):
+        wiring.to_adams(stepped)
+    with pytest.warns(UserWarning, match="L2 term"):
+        wiring.to_adams(torch.optim.Adam(make_net().parameters(), weight_decay=0.1))
+
+
+def _batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 24, generator=g), torch.randn(8, 8, generator=g)
+
+
+def _train(opt: ScapeOptimizer, net: torch.nn.Module, sched: Any, steps: range) -> None:
+    for step in steps:
+        x, y = _batches(step)
+        opt.step(lambda x=x, y=y: torch.nn.functional.mse_loss(net(x), y).backward())
+        sched.step()
+        opt.zero_grad()
+
+
+def test_scape_optimizer_steps_saves_and_resumes_exactly_in_one_process() -> None:
+    def fresh() -> tuple[torch.nn.Module, ScapeOptimizer, Any]:
+        net = make_net()
+        adamw = torch.optim.AdamW(param_groups(net), lr=0.02)
+        sched = torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: 1 / (1 + s))
+        return net, wiring.build_scape_optimizer(adamw, CFG, net, check_finite=False), sched
+
+    net, opt, sched = fresh()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        _train(opt, net, sched, range(6))
+    assert opt.engine.step_count == 6 and opt.param_groups[0]["lr"] == pytest.approx(0.02 / 7)
+    assert all(p.grad is not None and not p.grad.any() for p in net.parameters())  # zeroed views
+
+    net2, opt2, sched2 = fresh()
+    _train(opt2, net2, sched2, range(3))
+    state, sched_state = opt2.state_dict(), sched2.state_dict()
+    params = [p.detach().clone() for p in net2.parameters()]
+    net3, opt3, sched3 = fresh()
+    with torch.no_grad():
+        for p, q in zip(net3.parameters(), params, strict=True):
+            p.copy_(q)
+    opt3.load_state_dict(state)
+    sched3.load_state_dict(sched_state)
+    _train(opt3, net3, sched3, range(3, 6))
+    for a, b in zip(net.parameters(), net3.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="lays out the parameters once"):
+        opt3.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+def test_a_state_that_does_not_fit_changes_nothing() -> None:
+    net = make_net()
+    opt = wiring.build_scape_optimizer(AdamS(param_groups(net), lr=0.01), CFG, net, check_finite=False)
+    _train(opt, net, torch.optim.lr_scheduler.LambdaLR(opt.adams, lambda s: 1.0), range(4))
+    good = opt.state_dict()
+    momentum = [bs.momentum.clone() for bs in opt.engine.buckets]
+    bad = {**good, "scape": {**good["scape"], "config": {**good["scape"]["config"], "density": 0.5}}}
+    with pytest.raises(ValueError, match=r"'density': \(0.5, 0.1\)"):
+        opt.load_state_dict(bad)
+    buckets = [dict(b) for b in good["scape"]["buckets"]]
+    buckets[-1]["residual"] = buckets[-1]["residual"][:-1]
+    with pytest.raises(ValueError, match="residual"):
+        opt.load_state_dict({**good, "scape": {**good["scape"], "buckets": buckets}})
+    with pytest.raises(ValueError, match="not written by a SCAPE strategy"):
+        opt.load_state_dict(torch.optim.AdamW(net.parameters()).state_dict())
+    assert all(torch.equal(a, bs.momentum) for a, bs in zip(momentum, opt.engine.buckets, strict=True))
+    # Only the collective timeout may differ.
+    timeout = {**good, "scape": {**good["scape"], "config": {**good["scape"]["config"], "collective_timeout_s": 5.0}}}
+    opt.load_state_dict(timeout)
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+
+def test_rank_files_are_tied_to_their_checkpoint(tmp_path: Any) -> None:
+    io = TorchCheckpointIO()
+    net = make_net()
+    opt = wiring.build_scape_optimizer(AdamS(net.parameters(), lr=0.01), CFG, net, check_finite=False)
+    full = opt.state_dict()
+    path = str(tmp_path / "model.ckpt")
+    stub = wiring.make_stub(full, "id-1")
+    io.save_checkpoint({"optimizer": stub}, path)
+    wiring.save_rank_states(io, path, 0, 1, {"optimizer": full}, "id-1")
+    assert os.path.isfile(tmp_path / "model.ckpt.scape" / "rank-00000.pt")
+    loaded = wiring.load_rank_states(io, path, {"optimizer": stub}, 0, 1)
+    opt.check_state_dict(loaded["optimizer"])
+    with pytest.raises(ValueError, match="written by 1 ranks, but this run has 2"):
+        wiring.load_rank_states(io, path, {"optimizer": stub}, 0, 2)
+    with pytest.raises(ValueError, match="does not belong"):
+        wiring.load_rank_states(io, path, {"optimizer": wiring.make_stub(full, "id-2")}, 0, 1)
+    with pytest.raises(FileNotFoundError, match=r"rank 1 is missing.*\.scape"):
+        wiring.load_rank_states(io, path, {"optimizer": stub}, 1, 1)
+    with pytest.raises(ValueError, match="not written by a SCAPE strategy"):
+        wiring.load_rank_states(io, path, {"optimizer": {"state": {}, "param_groups": []}}, 0, 1)
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(RuntimeError, match="truncated or corrupt"):
+        wiring.load_main_checkpoint(io, path, weights_only=None)
+    wiring.remove_rank_states(io, path, 0, is_global_zero=True)
+    assert not os.path.exists(tmp_path / "model.ckpt.scape")
+    with pytest.raises(ValueError, match="shape mismatch"):
+        wiring.check_module_state(make_net(), {**make_net().state_dict(), "0.bias": torch.zeros(3)}, True, "ckpt")
+
+
+# --------------------------------------------------------------------------------- engine support
+
+
+def _engine_run(
+    rank: int, comm: Communicator, steps: int, check_finite: bool = False, scale: float | None = None,
+    inject: int | None = None, early_norm: bool = False, max_norm: float | None = None,
+) -> dict[str, Any]:
+    net = make_net()
+    engine = ScapeEngine(AdamS(param_groups(net), lr=0.01), CFG, comm, param_order=list(net.parameters()))
+    engine.check_finite = check_finite
+    out: dict[str, Any] = {"skipped": [], "norms": [], "states": []}
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 24, generator=g), torch.randn(8, 8, generator=g)
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        if inject == step and rank == 1:
+            loss = loss * float("inf")
+        engine.grad_scale = scale
+        (loss * (scale or 1.0)).backward()
+        if early_norm:
+            out["norms"].append(engine.global_grad_norm())
+        engine.step(max_grad_norm=max_norm)
+        if not early_norm:
+            out["norms"].append(engine.last_grad_norm)
+        engine.zero_grad()
+        out["skipped"].append(engine.last_step_skipped)
+        s = engine.state_dict()
+        out["states"].append((torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+                              [(b["momentum"], b["residual"], b["last_sent"], b["masks"]) for b in s["buckets"]]))
+    engine.close()
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def test_guarded_and_scaled_steps_equal_plain_steps_bitwise() -> None:
+    plain = simulate(2, lambda r, c: _engine_run(r, c, 6))
+    guarded = simulate(2, lambda r, c: _engine_run(r, c, 6, check_finite=True, scale=1024.0))
+    for r in range(2):
+        assert _same(plain[r]["states"], guarded[r]["states"])
+
+
+def test_a_non_finite_step_is_skipped_everywhere_and_changes_nothing() -> None:
+    out = simulate(2, lambda r, c: _engine_run(r, c, 6, check_finite=True, scale=64.0, inject=3))
+    for o in out:
+        assert o["skipped"] == [False, False, False, True, False, False]
+        assert _same(o["states"][2], o["states"][3])
+    assert _same(out[0]["states"][5][0], out[1]["states"][5][0])
+    # Dense warm-up steps are guarded too.
+    warm = simulate(2, lambda r, c: _engine_run(r, c, 3, check_finite=True, inject=0))
+    assert [o["skipped"] for o in warm] == [[True, False, False]] * 2
+
+
+def test_early_global_norm_is_the_clipping_norm_and_changes_nothing() -> None:
+    late = simulate(2, lambda r, c: _engine_run(r, c, 5, max_norm=0.5))
+    early = simulate(2, lambda r, c: _engine_run(r, c, 5, max_norm=0.5, early_norm=True))
+    for r in range(2):
+        assert early[r]["norms"] == late[r]["norms"]
+        assert _same(early[r]["states"], late[r]["states"])
