@@ -1,0 +1,556 @@
+"""One rank of the network benchmark: every method's own model, trained one step at a time in turn.
+
+Started by ``benchmarks.network.run`` inside the rank's namespace with torchrun-style environment
+variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK``) and
+``python -m benchmarks.network.worker SPEC.json``. All methods live in this one process: at every step
+each of them takes one optimizer step on the same batch, in an order that rotates from step to step,
+with a barrier before each (outside the clock). Machine noise, which on a shared 2-core machine is
+large, therefore hits every method alike; medians are taken over steps.
+
+Per method and step the worker records: the loss; the step time (forward, backward, optimizer step and,
+for SCAPE, the wait for the next mask's all-gather, which in a run of one method alone would overlap
+the next forward pass and here must not overlap another method's step); the bytes the package's
+``ByteCounters`` count (SCAPE: the engine's own; DDP: its hooks' ``torch.distributed.all_reduce`` calls,
+counted with the same ring formula); and the rank's interface counters (``tx_bytes``/``rx_bytes`` under
+``/sys/class/net``, which ``ip netns exec`` shows for the namespace); and the time from the last
+gradient being ready to the return of ``backward()`` (DDP waits for its buckets there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_scape import AdamS, ProcessGroupCommunicator, ScapeConfig, ScapeEngine
+from lightning_scape.comm import KIND_DENSE, ByteCounters
+from lightning_scape.demo import stdlib_corpus
+
+# litgpt GPT shapes (byte-level, vocabulary 256). "base" is what the published numbers use: on this
+# 2-core VM one rank's step on 4 x 128 tokens takes 0.40-0.43 s (compute-only, docs/benchmarks.md), while
+# DDP's fp32 all-reduce of its 4.88M gradients (19.5 MB) needs 0.17 s of wire at 1 Gbit/s: communication
+# is 0.4 of the compute there, and 4 times it at 100 Mbit/s.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "intermediate_size": 172},  # 0.1M: smoke test
+    "small": {"n_layer": 4, "n_head": 4, "n_embd": 128, "intermediate_size": 344},  # 0.86M: W = 4
+    "base": {"n_layer": 6, "n_head": 4, "n_embd": 256, "intermediate_size": 688},  # 4.88M: W = 2
+}
+
+COMPUTE_ONLY = "compute_only"
+DDP_METHODS = ("ddp_adamw", "ddp_adams", "ddp_bf16", "ddp_powersgd")
+SCAPE_METHODS = (
+    "scape_sharded_d0.1",
+    "scape_sharded_d0.01",
+    "scape_replicated_d0.1",
+    "scape_replicated_d0.01",
+    "scape_gradient_d0.01",
+)
+ALL_METHODS: tuple[str, ...] = (COMPUTE_ONLY, *DDP_METHODS, *SCAPE_METHODS)
+# Not part of "all": SCAPE with the harness's all-to-all reduce-scatter instead of gloo's (see A2ACommunicator).
+A2A_METHOD = "scape_sharded_d0.01_a2a"
+EXTRA_METHODS: tuple[str, ...] = (A2A_METHOD,)
+METHOD_LABELS: dict[str, str] = {
+    COMPUTE_ONLY: "compute only (W=1, AdamW)",
+    "ddp_adamw": "DDP + AdamW",
+    "ddp_adams": "DDP + AdamS",
+    "ddp_bf16": "DDP bf16 hook + AdamW",
+    "ddp_powersgd": "DDP PowerSGD r=4 + AdamW",
+    "scape_sharded_d0.1": "SCAPE sharded d=0.1",
+    "scape_sharded_d0.01": "SCAPE sharded d=0.01",
+    "scape_replicated_d0.1": "SCAPE replicated d=0.1",
+    "scape_replicated_d0.01": "SCAPE replicated d=0.01",
+    "scape_gradient_d0.01": "SCAPE gradient-stat d=0.01",
+    A2A_METHOD: "SCAPE sharded d=0.01, all-to-all reduce-scatter",
+}
+POWERSGD_RANK = 4
+# One bucket cap for DDP and SCAPE (SCAPE's default, DDP's nominal default). Passed to DDP explicitly, which
+# also drops DDP's extra 1 MiB first bucket: with two buckets, PowerSGD's per-bucket callback chains issue
+# their all-reduces in an order that differs between ranks, and gloo then fails with "Received data size
+# doesn't match expected size" (seen at 100 Mbit/s after about 30 steps). Every model here fits in one.
+BUCKET_CAP_MB = 25.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank runs (written to JSON by ``run.py``)."""
+
+    methods: list[str]
+    steps: int
+    warmup: int
+    model: str
+    batch_size: int
+    block_size: int
+    lr: float
+    chunk_size: int
+    max_bytes: int
+    out_dir: str
+    ifname: str
+    timeout_s: float = 600.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class MethodRecord:
+    """Per-step measurements of one method on this rank."""
+
+    loss: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    fwd_bwd_s: list[float] = field(default_factory=list)
+    bwd_tail_s: list[float] = field(default_factory=list)
+    opt_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+    sent_by_kind: list[dict[str, int]] = field(default_factory=list)
+    tx: list[int] = field(default_factory=list)
+    rx: list[int] = field(default_factory=list)
+
+
+def build_model(preset: str, block_size: int, seed: int) -> nn.Module:
+    """A byte-level litgpt GPT of the given preset, initialised from ``seed`` (identical on every rank)."""
+    from litgpt import GPT, Config
+
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {list(MODEL_PRESETS)}.")
+    cfg = Config(
+        name=f"netbench-{preset}",
+        block_size=block_size,
+        vocab_size=256,
+        padded_vocab_size=256,
+        rotary_percentage=1.0,
+        parallel_residual=False,
+        bias=False,
+        norm_class_name="RMSNorm",
+        mlp_class_name="LLaMAMLP",
+        **MODEL_PRESETS[preset],
+    )
+    torch.manual_seed(seed)
+    return GPT(cfg)
+
+
+def param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """Weight decay on matrices, none on norms (the same split for every optimizer)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lm_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """Next-byte cross-entropy."""
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def lr_at(step: int, spec: WorkerSpec) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine to 10% of the peak."""
+    if step < spec.warmup:
+        return spec.lr * (step + 1) / spec.warmup
+    frac = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
+    return spec.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+
+def powersgd_formula_bytes(model: nn.Module, world_size: int, rank: int = POWERSGD_RANK) -> int:
+    """Ring bytes per rank per step of PowerSGD after its warm-up (SCAPE_SPEC section 4).
+
+    PowerSGD views each gradient as an ``n x m`` matrix (``n`` = first dimension) and compresses it when
+    ``(n + m) r * min_compression_rate < n m`` (rate 2, the default); the rest travel uncompressed. It
+    all-reduces the uncompressed tensors, then P (``n r`` per matrix), then Q (``m r``), all in fp32.
+    """
+    values = 0
+    for p in model.parameters():
+        if p.dim() < 2:
+            values += p.numel()
+            continue
+        n = p.shape[0]
+        m = p.numel() // n
+        values += (n + m) * rank if (n + m) * rank * 2 < n * m else n * m
+    return 2 * (world_size - 1) * values * 4 // world_size
+
+
+class _AllReduceCounter:
+    """Wraps ``torch.distributed.all_reduce`` so that DDP hooks' traffic lands in a ``ByteCounters``.
+
+    DDP's ``allreduce_hook``, ``bf16_compress_hook`` and ``powerSGD_hook`` all call
+    ``torch.distributed.all_reduce`` (looked up at call time), so replacing the module attribute sees
+    every tensor they send; the count is the ring formula of the package's counters.
+    """
+
+    def __init__(self) -> None:
+        self.active: ByteCounters | None = None
+        self._orig = dist.all_reduce
+
+    def __call__(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.active is not None:
+            self.active.count_all_reduce(KIND_DENSE, tensor.numel(), tensor.element_size())
+        return self._orig(tensor, *args, **kwargs)
+
+
+_COUNTER = _AllReduceCounter()
+
+
+def bf16_compress_hook_gloo(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """PyTorch's ``bf16_compress_hook``, unchanged, under another name.
+
+    ``DistributedDataParallel.register_comm_hook`` refuses a function named ``bf16_compress_hook`` unless
+    CUDA 11+ with NCCL 2.10+ is present; gloo does all-reduce bfloat16 tensors, so the same hook runs on
+    the CPU once registered under this name.
+    """
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+# DDP compares the hook's annotations with the real classes; `from __future__ import annotations` made
+# them strings, so give it the evaluated ones.
+bf16_compress_hook_gloo.__annotations__ = {
+    "state": Any,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[Tensor],
+}
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """What one step of one method measured on this rank (seconds)."""
+
+    loss: float
+    fwd_bwd_s: float  # forward + backward, up to the return of ``backward()``
+    bwd_tail_s: float  # from the last parameter's gradient being ready to the return of ``backward()``
+    opt_s: float  # clipping, optimizer (SCAPE: ``engine.step``, ``zero_grad`` and the mask wait)
+    wait_s: float  # SCAPE: the engine's ``step_wait_s`` (blocked in collectives); 0 for the others
+
+
+class Method:
+    """One method's model, optimizer and synchronisation on this rank.
+
+    Every parameter gets a post-accumulate-grad hook that stamps the time, so the part of ``backward()``
+    after the last gradient exists (DDP: launching the last bucket, waiting for every bucket's
+    all-reduce and copying back) is measured per step, next to the step it belongs to.
+    """
+
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    counters: ByteCounters | None
+    max_grad_norm: float
+
+    def _watch_gradients(self) -> None:
+        self._last_grad = 0.0
+        for p in self.model.parameters():
+            p.register_post_accumulate_grad_hook(self._tick)
+
+    def _tick(self, p: Tensor) -> None:
+        self._last_grad = time.perf_counter()
+
+    def forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
+        """Loss of the batch, with ``backward()`` done (and gradients synchronised, where that happens there)."""
+        loss = lm_loss(self.model, x, y)
+        loss.backward()
+        return loss
+
+    def optimizer_step(self) -> float:
+        """Clip, step, zero the gradients; returns the seconds blocked in communication."""
+        nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        return 0.0
+
+    def train_step(self, x: Tensor, y: Tensor, lr: float) -> StepTimes:
+        """One optimizer step at learning rate ``lr``."""
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        t0 = time.perf_counter()
+        loss = self.forward_backward(x, y)
+        t1 = time.perf_counter()
+        wait = self.optimizer_step()
+        t2 = time.perf_counter()
+        return StepTimes(float(loss.detach()), t1 - t0, max(0.0, t1 - self._last_grad), t2 - t1, wait)
+
+    def formula_bytes(self) -> int:
+        """Bytes per rank per step after warm-up, from SCAPE_SPEC section 4."""
+        return 0
+
+
+class ComputeOnly(Method):
+    """W = 1 with the per-rank batch: this rank trains its own replica with AdamW and sends nothing."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.name = COMPUTE_ONLY
+        self.model = build_model(spec.model, spec.block_size, spec.seed)
+        self.opt = torch.optim.AdamW(param_groups(self.model), lr=spec.lr, weight_decay=0.1)
+        self.max_grad_norm = spec.max_grad_norm
+        self.counters = None
+        self._watch_gradients()
+
+
+class DDPMethod(Method):
+    """``DistributedDataParallel`` (gloo) with a comm hook, and AdamW or AdamS."""
+
+    def __init__(self, name: str, spec: WorkerSpec, world_size: int) -> None:
+        self.name = name
+        self.world_size = world_size
+        self.model = build_model(spec.model, spec.block_size, spec.seed)
+        # Gradients as views into DDP's buckets: no copy in or out of the buckets (PyTorch's advice).
+        self.ddp = DistributedDataParallel(self.model, gradient_as_bucket_view=True, bucket_cap_mb=BUCKET_CAP_MB)
+        hook: Callable[..., Any]
+        state: Any = None
+        if name in ("ddp_adamw", "ddp_adams"):
+            # The built-in all-reduce, as a Python hook so that its bytes are counted; same traffic.
+            hook = default_hooks.allreduce_hook
+        elif name == "ddp_bf16":
+            hook = bf16_compress_hook_gloo
+        elif name == "ddp_powersgd":
+            # PowerSGD cannot start before iteration 2 (DDP rebuilds its buckets after the first).
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=POWERSGD_RANK,
+                start_powerSGD_iter=max(2, spec.warmup),
+            )
+            hook = powerSGD_hook.powerSGD_hook
+        else:
+            raise ValueError(f"unknown DDP method {name!r}")
+        self.ddp.register_comm_hook(state, hook)
+        groups = param_groups(self.model)
+        if name == "ddp_adams":
+            self.opt = AdamS(groups, lr=spec.lr, weight_decay=0.1)
+        else:
+            self.opt = torch.optim.AdamW(groups, lr=spec.lr, weight_decay=0.1)
+        self.max_grad_norm = spec.max_grad_norm
+        self.counters = ByteCounters(world_size=world_size)
+        self._watch_gradients()
+
+    def forward_backward(self, x: Tensor, y: Tensor) -> Tensor:
+        """Through DDP: ``backward()`` returns once every bucket is all-reduced and copied back."""
+        assert self.counters is not None
+        self.counters.start_step()
+        _COUNTER.active = self.counters
+        try:
+            loss = lm_loss(self.ddp, x, y)
+            loss.backward()
+        finally:
+            _COUNTER.active = None
+        return loss
+
+    def formula_bytes(self) -> int:
+        """Dense ring all-reduce of N values of b bytes (PowerSGD: its P, Q and uncompressed tensors)."""
+        n = sum(p.numel() for p in self.model.parameters())
+        w = self.world_size
+        if self.name == "ddp_powersgd":
+            return powersgd_formula_bytes(self.model, w)
+        b = 2 if self.name == "ddp_bf16" else 4
+        return 2 * (w - 1) * n * b // w
+
+
+class _SumOnWait:
+    """An all-to-all in flight; ``wait`` sums the W received slices into the reduce-scatter's output."""
+
+    def __init__(
+        self, work: dist.Work | None, received: Tensor, output: Tensor, world_size: int, timeout_s: float
+    ) -> None:
+        self._work, self._received, self._output = work, received, output
+        self._w, self._timeout = world_size, timeout_s
+
+    def wait(self) -> None:
+        """Block until the all-to-all is done, then sum."""
+        if self._work is None:
+            return
+        self._work.wait(timedelta(seconds=self._timeout))
+        self._work = None
+        torch.sum(self._received.view(self._w, -1), dim=0, out=self._output)
+
+
+class A2ACommunicator(ProcessGroupCommunicator):
+    """``ProcessGroupCommunicator`` whose reduce-scatter is an all-to-all plus a local sum.
+
+    gloo's flat reduce-scatter sends what an all-reduce sends, 2 (W-1)/W n b per rank (measured in the
+    namespaces: 4.20 MB for 1M fp32 values at W = 2, the same as ``all_reduce``), twice the ring
+    formula that ``ByteCounters`` charges. ``all_to_all_single`` sends (W-1)/W n b (2.10 MB), so this
+    variant shows what SCAPE's sharded mode costs once the package's communicator does the same.
+    """
+
+    def reduce_scatter_sum(self, output: Tensor, input: Tensor) -> _SumOnWait:
+        """Async reduce-scatter (sum) as all-to-all + sum on ``wait``."""
+        received = torch.empty_like(input)
+        work = dist.all_to_all_single(received, input, group=self.group, async_op=True)
+        return _SumOnWait(work, received, output, self.world_size, self.timeout_s)
+
+
+class ScapeMethod(Method):
+    """The package's ``ScapeEngine`` over ``ProcessGroupCommunicator`` (the default gloo group)."""
+
+    def __init__(self, name: str, spec: WorkerSpec, world_size: int) -> None:
+        self.name = name
+        self.world_size = world_size
+        self.model = build_model(spec.model, spec.block_size, spec.seed)
+        density = 0.01 if "d0.01" in name else 0.1
+        self.config = ScapeConfig(
+            density=density,
+            chunk_size=spec.chunk_size,
+            sharded=not name.startswith("scape_replicated"),
+            dense_warmup_steps=spec.warmup,
+            mask_statistic="gradient" if name.startswith("scape_gradient") else "momentum",
+            bucket_cap_mb=BUCKET_CAP_MB,
+        )
+        self.opt = AdamS(param_groups(self.model), lr=spec.lr, weight_decay=0.1)
+        comm_cls = A2ACommunicator if name == A2A_METHOD else ProcessGroupCommunicator
+        self.engine = ScapeEngine(
+            self.opt,
+            self.config,
+            comm_cls(timeout_s=spec.timeout_s),
+            param_order=list(self.model.parameters()),
+        )
+        self.counters = self.engine.counters
+        self.max_grad_norm = spec.max_grad_norm
+        self._watch_gradients()
+
+    def optimizer_step(self) -> float:
+        """``engine.step`` (clipping inside), ``zero_grad``, then the wait for the next mask's all-gather."""
+        self.engine.step(max_grad_norm=self.max_grad_norm)
+        self.engine.zero_grad()
+        if not self.engine.in_warmup:
+            # Wait for the next mask's all-gather here, so that it is charged to this method.
+            self.engine.current_masks()
+        return self.engine.counters.step_wait_s
+
+    def formula_bytes(self) -> int:
+        """SCAPE_SPEC section 4 with R = 1, plus the clipping scalar (sharded)."""
+        w, slots, b = self.world_size, self.engine.slots, 4
+        if self.config.sharded:
+            return (w - 1) * slots * (b + b + 2) // w + 2 * (w - 1) * 4 // w
+        indices = (w - 1) * slots * 2 // w if self.config.mask_statistic == "gradient" else 0
+        return 2 * (w - 1) * slots * b // w + indices
+
+
+def make_method(name: str, spec: WorkerSpec, world_size: int) -> Method:
+    """The method called ``name``."""
+    if name == COMPUTE_ONLY:
+        return ComputeOnly(spec)
+    if name in DDP_METHODS:
+        return DDPMethod(name, spec, world_size)
+    if name in SCAPE_METHODS or name in EXTRA_METHODS:
+        return ScapeMethod(name, spec, world_size)
+    raise ValueError(f"unknown method {name!r}; choose from {[*ALL_METHODS, *EXTRA_METHODS]}.")
+
+
+def read_iface(ifname: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of an interface of this network namespace."""
+    base = f"/sys/class/net/{ifname}/statistics"
+    with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
+        return int(tx.read()), int(rx.read())
+
+
+def load_tokens(max_bytes: int) -> Tensor:
+    """The training bytes: the first ``max_bytes`` of the standard library's sources (90% of them)."""
+    data = stdlib_corpus(max_bytes)
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    return tokens[: int(0.9 * len(tokens))]
+
+
+def sample(tokens: Tensor, gen: torch.Generator, batch: int, block: int) -> tuple[Tensor, Tensor]:
+    """``batch`` random windows of ``block`` bytes and their next bytes."""
+    ix = torch.randint(len(tokens) - block - 1, (batch,), generator=gen)
+    x = torch.stack([tokens[i : i + block] for i in ix])
+    y = torch.stack([tokens[i + 1 : i + 1 + block] for i in ix])
+    return x, y
+
+
+def run(spec: WorkerSpec) -> dict[str, Any]:
+    """Train every method of ``spec`` on this rank; returns the per-step records and static facts."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    dist.all_reduce = _COUNTER  # count DDP hooks' traffic (see _AllReduceCounter)
+    tokens = load_tokens(spec.max_bytes)
+    methods = [make_method(name, spec, world_size) for name in spec.methods]
+    records = {m.name: MethodRecord() for m in methods}
+    gen = torch.Generator().manual_seed(1234 + rank)
+    t_start = time.perf_counter()
+    for step in range(spec.steps):
+        x, y = sample(tokens, gen, spec.batch_size, spec.block_size)
+        lr = lr_at(step, spec)
+        k = step % len(methods)
+        for m in methods[k:] + methods[:k]:
+            dist.barrier()
+            tx0, rx0 = read_iface(spec.ifname)
+            t0 = time.perf_counter()
+            st = m.train_step(x, y, lr)
+            dt = time.perf_counter() - t0
+            tx1, rx1 = read_iface(spec.ifname)
+            rec = records[m.name]
+            rec.loss.append(st.loss)
+            rec.step_s.append(dt)
+            rec.fwd_bwd_s.append(st.fwd_bwd_s)
+            rec.bwd_tail_s.append(st.bwd_tail_s)
+            rec.opt_s.append(st.opt_s)
+            rec.wait_s.append(st.wait_s)
+            rec.sent.append(0 if m.counters is None else m.counters.step_sent_bytes)
+            rec.sent_by_kind.append({} if m.counters is None else dict(m.counters.step_sent))
+            rec.tx.append(tx1 - tx0)
+            rec.rx.append(rx1 - rx0)
+        if rank == 0 and (step % 10 == 0 or step == spec.steps - 1):
+            print(
+                f"    step {step + 1:4d}/{spec.steps}  "
+                + "  ".join(f"{m.name} {records[m.name].loss[-1]:.2f}" for m in methods[:4])
+                + f"  ... ({time.perf_counter() - t_start:.0f} s)",
+                flush=True,
+            )
+    dist.barrier()
+    out: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world_size,
+        "params": sum(p.numel() for p in methods[0].model.parameters()),
+        "methods": {},
+        "loadavg_end": os.getloadavg(),
+    }
+    for m in methods:
+        info: dict[str, Any] = {"formula_bytes": m.formula_bytes(), **asdict(records[m.name])}
+        if isinstance(m, DDPMethod):
+            info["ddp_bucket_bytes"] = m.ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes")
+        if isinstance(m, ScapeMethod):
+            info["buckets"] = len(m.engine.buckets)
+            info["slots"] = m.engine.slots
+            info["padded_numel"] = m.engine.padded_numel
+            info["effective_density"] = m.config.effective_density
+            info["config"] = m.config.to_dict()
+            m.engine.close()
+        out["methods"][m.name] = info
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Read the spec, join the gloo group from the environment, run, write ``rank<r>.json``."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m benchmarks.network.worker SPEC.json (started by benchmarks.network.run)")
+        return 2
+    with open(args[0]) as fh:
+        spec = WorkerSpec(**json.load(fh))
+    # One intra-op thread per rank: the machine has 2 cores for 2 ranks (each rank is one "host's" CPU).
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    try:
+        dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=spec.timeout_s))
+        try:
+            result = run(spec)
+        finally:
+            dist.destroy_process_group()
+    except Exception:
+        traceback.print_exc()
+        print(f"rank {rank}: failed (traceback above)", file=sys.stderr, flush=True)
+        return 1
+    with open(os.path.join(spec.out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
