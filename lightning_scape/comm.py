@@ -128,6 +128,7 @@ class ProcessGroupCommunicator:
         self.world_size = dist.get_world_size(group)
         self.timeout_s = timeout_s
         self._desc = f"rank {self.rank} of {self.world_size} ({dist.get_backend(group)})"
+        self._gloo = dist.get_backend(group) == "gloo"
 
     def __getstate__(self) -> dict[str, object]:
         raise TypeError("A ProcessGroupCommunicator holds a live process group and cannot be pickled.")
@@ -141,9 +142,19 @@ class ProcessGroupCommunicator:
         return self._wrap(w, f"all_reduce({tensor.numel()} x {tensor.dtype})")
 
     def reduce_scatter_sum(self, output: Tensor, input: Tensor) -> Pending:
-        """Async reduce-scatter (sum)."""
+        """Async reduce-scatter (sum).
+
+        On gloo it is an all-to-all plus a local sum in rank order: gloo's own reduce-scatter puts as many
+        bytes on the wire as an all-reduce (measured in network namespaces: 4.20 MB for 1M fp32 values at
+        W = 2, against 2.10 MB for the all-to-all), twice what the ring formula charges.
+        """
+        name = f"reduce_scatter({input.numel()} x {input.dtype})"
+        if self._gloo:
+            received = torch.empty_like(input)
+            w = dist.all_to_all_single(received, input, group=self.group, async_op=True)
+            return _SumOnWait(self._wrap(w, name), received, output, self.world_size)
         w = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return self._wrap(w, f"reduce_scatter({input.numel()} x {input.dtype})")
+        return self._wrap(w, name)
 
     def all_gather(self, output: Tensor, input: Tensor) -> Pending:
         """Async all-gather; int16 travels as bytes (gloo has no int16)."""
@@ -154,6 +165,24 @@ class ProcessGroupCommunicator:
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class _SumOnWait:
+    """An all-to-all in flight; ``wait`` sums the W received slices, in rank order, into ``output``."""
+
+    def __init__(self, inner: Pending, received: Tensor, output: Tensor, world_size: int) -> None:
+        self._inner: Pending | None = inner
+        self._parts = received.view(world_size, -1)
+        self._output = output
+
+    def wait(self) -> None:
+        if self._inner is None:
+            return
+        self._inner.wait()
+        self._inner = None
+        self._output.copy_(self._parts[0])
+        for part in self._parts[1:]:
+            self._output.add_(part)
 
 
 def _wire(t: Tensor) -> Tensor:

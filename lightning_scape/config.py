@@ -58,8 +58,12 @@ class ScapeConfig:
             was last sent, in the second-moment term only, so a residual flushed after tau steps does
             not inflate the normaliser.
         catch_up: Scale the update of a coordinate sent after tau steps away by ``min(tau,
-            catch_up_cap)``, as if its accumulated gradient had been applied over those steps.
-        catch_up_cap: Upper bound on the catch-up factor; keep it small (4-16) for stability.
+            catch_up_cap)``, as if its accumulated gradient had been applied over those steps. On by
+            default: without it a coordinate sent every tau steps moves at 1/tau of dense AdamS's speed
+            (measured: 12% above dense validation loss with it, 25% without, at d = 0.01). Do not combine
+            with ``staleness_correction`` (both enlarge the step: 43% above dense, measured).
+        catch_up_cap: Upper bound on the catch-up factor. 32 measured best at d = 0.01 (8: 2.096, 32: 2.065,
+            128: 2.088 validation loss); lower it (8) if loss spikes appear after long-unsent coordinates.
         sparse_lr_scale: Multiplier on the learning rate of the AdamS update in sparse steps (weight
             decay keeps the group's learning rate).
         bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
@@ -79,8 +83,11 @@ class ScapeConfig:
     exploration: float = 0.1
     unmasked_update: UnmaskedUpdate = "frozen"
     staleness_correction: bool = False
-    catch_up: bool = False
-    catch_up_cap: float = 8.0
+    # Defaults from benchmarks/quality.py (W=2, d=0.01, 300 steps, docs/algorithm.md section 7): catch-up
+    # with cap 32 reached validation loss 2.065 against 2.293 without it (dense AdamS: 1.838); caps 8, 64
+    # and 128 gave 2.096, 2.098 and 2.088.
+    catch_up: bool = True
+    catch_up_cap: float = 32.0
     sparse_lr_scale: float = 1.0
     bucket_cap_mb: float = 25.0
     seed: int = 0

@@ -40,6 +40,8 @@ def test_defaults_follow_the_spec() -> None:
     assert cfg.density == 0.01 and cfg.chunk_size == 4096 and cfg.sharded
     assert cfg.mask_delay == 1 and cfg.mask_refresh_interval == 1 and cfg.mask_statistic == "momentum"
     assert cfg.exploration == 0.1 and cfg.unmasked_update == "frozen"
+    # Settled by benchmarks/quality.py (docs/algorithm.md section 7).
+    assert cfg.catch_up and cfg.catch_up_cap == 32.0 and not cfg.staleness_correction
     # k_c = round(d C) = round(40.96) = 41 slots; k_e = round(0.1 * 41) = 4.
     assert cfg.slots_per_chunk == 41 and cfg.explore_slots_per_chunk == 4
     assert cfg.effective_density == pytest.approx(41 / 4096)
