@@ -96,6 +96,8 @@ def reference_dense_adams(spec: dict[str, Any], world_size: int) -> list[torch.T
             grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
         for i, p in enumerate(model.parameters()):
             p.grad = torch.stack([g[i] for g in grads]).mean(0)
+        if spec.get("max_grad_norm") is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
         opt.step()
         params.append(flat_params(model))
     return params
