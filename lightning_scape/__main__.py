@@ -15,7 +15,11 @@ def main(argv: list[str] | None = None) -> int:
         The process exit code.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: lightning-scape demo [--steps N ...]   (lightning-scape demo --help for the options)"
+    usage = (
+        "usage: lightning-scape demo [--steps N ...]                 dense AdamS against SCAPE on 2 CPU processes\n"
+        "       lightning-scape pretrain --config RECIPE.yaml [...]  litgpt pretraining with SCAPE\n"
+        "(add --help after a command for its options)"
+    )
     if not args or args[0] in ("-h", "--help"):
         print(usage)
         return 0
@@ -25,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(rest)
         return 0
+    if command == "pretrain":
+        from lightning_scape.pretrain import run_pretrain
+
+        return run_pretrain(rest)
     print(f"lightning-scape: unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2
 

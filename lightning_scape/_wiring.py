@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
+import re
 import threading
 import time
 import uuid
@@ -650,6 +652,20 @@ def load_main_checkpoint(io: CheckpointIO, path: str | os.PathLike[str], weights
         checkpoint = io.load_checkpoint(os.fspath(path), weights_only=weights_only)
     except FileNotFoundError:
         raise
+    except pickle.UnpicklingError as exc:
+        if "weights only" not in str(exc).lower():
+            raise RuntimeError(
+                f"Checkpoint {os.fspath(path)!r} cannot be read ({exc}). It is probably truncated or corrupt (a run "
+                "killed while saving?); resume from an earlier checkpoint. Nothing was loaded."
+            ) from exc
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = found.group(1) if found else "not a tensor or a plain container"
+        raise RuntimeError(
+            f"Checkpoint {os.fspath(path)!r} holds a pickled Python object that torch.load(weights_only=True) "
+            f"refuses ({what}). Save only tensors and state dicts (an "
+            "object with state_dict()/load_state_dict() is stored as its state dict), or, if you trust the file, "
+            "load it with weights_only=False. Nothing was loaded."
+        ) from exc
     except Exception as exc:
         raise RuntimeError(
             f"Checkpoint {os.fspath(path)!r} cannot be read ({type(exc).__name__}: {exc}). It is probably truncated "

@@ -186,6 +186,11 @@ def test_rank_files_are_tied_to_their_checkpoint(tmp_path: Any) -> None:
         f.truncate(100)
     with pytest.raises(RuntimeError, match="truncated or corrupt"):
         wiring.load_main_checkpoint(io, path, weights_only=None)
+    # A pickled object (a plain DataLoader in the saved state) is not corruption: the error names the class.
+    pickled = str(tmp_path / "pickled.ckpt")
+    io.save_checkpoint({"loader": torch.utils.data.DataLoader([1, 2])}, pickled)
+    with pytest.raises(RuntimeError, match=r"refuses \(torch\.utils\.data\.dataloader\.DataLoader\)"):
+        wiring.load_main_checkpoint(io, pickled, weights_only=None)
     wiring.remove_rank_states(io, path, 0, is_global_zero=True)
     assert not os.path.exists(tmp_path / "model.ckpt.scape")
     with pytest.raises(ValueError, match="shape mismatch"):

@@ -1,0 +1,371 @@
+"""``lightning-scape pretrain``: litgpt's own pretraining loop with SCAPE as the Fabric strategy.
+
+litgpt's ``litgpt.pretrain.setup`` hard-codes ``FSDPStrategy``; this module is a replacement for that one
+function only. It reads the same YAML recipes and command-line overrides (litgpt's ``pretrain`` arguments
+plus a ``scape:`` section), builds ``Fabric(strategy=ScapeStrategy(...))`` with the recipe's accelerator,
+devices, nodes and precision, and then calls ``litgpt.pretrain.main``: the training loop, learning-rate
+schedule, gradient accumulation, clipping, validation, logging and checkpoints (``out_dir/step-*/lit_model.pth``
+and ``out_dir/final``) are litgpt's, unchanged.
+
+Multi-node runs need no change: Lightning's cluster environments (torchrun, SLURM, LSF, ``MASTER_ADDR`` /
+``NODE_RANK`` ...) are detected by the strategy as for ``"ddp"``. On one machine with ``devices > 1`` the
+command re-runs itself once per extra local process (Lightning's ``popen`` launcher).
+
+Two things are adapted around litgpt, not inside its loop:
+
+* litgpt saves ``hyperparameters.yaml`` by re-parsing ``sys.argv`` against its own ``setup`` signature, which
+  does not know the ``scape:`` section; here the file is written from this command's parsed arguments instead.
+* ``compile: false`` turns ``torch.compile`` (which litgpt always applies) into a no-op, for CPU debug runs
+  where compiling costs more than the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from litgpt.args import EvalArgs, LogArgs, TrainArgs
+
+from lightning_scape.config import ScapeConfig
+
+if TYPE_CHECKING:
+    import lightning as L
+    from jsonargparse import ArgumentParser, Namespace
+    from litgpt.config import Config
+    from litgpt.data import DataModule
+
+# litgpt's own pretraining defaults (``litgpt.pretrain.setup``).
+LITGPT_TRAIN_DEFAULTS = TrainArgs(
+    save_interval=1000,
+    log_interval=1,
+    global_batch_size=512,
+    micro_batch_size=4,
+    max_tokens=int(3e12),
+    max_norm=1.0,
+    min_lr=4e-5,
+    lr_warmup_steps=2000,
+    tie_embeddings=False,
+)
+LITGPT_EVAL_DEFAULTS = EvalArgs(interval=1000, max_iters=100)
+
+# Precisions the SCAPE engine trains in: it updates the parameters in their own dtype, so "*-true" low
+# precision would run the error-feedback residual and AdamS in bf16/fp16 (see docs/lightning.md).
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+
+
+class RecipeError(ValueError):
+    """A recipe or command-line value that cannot work; raised before any process is launched."""
+
+
+def pretrain(
+    model_name: str | None = None,
+    model_config: Config | None = None,
+    out_dir: Path = Path("out/pretrain"),
+    precision: str | None = None,
+    initial_checkpoint_dir: Path | None = None,
+    resume: bool | Literal["auto"] | Path = False,
+    data: DataModule | None = None,
+    train: TrainArgs = LITGPT_TRAIN_DEFAULTS,
+    eval: EvalArgs = LITGPT_EVAL_DEFAULTS,
+    log: LogArgs = LogArgs(),  # noqa: B008  # a dataclass default, as in litgpt's own signature
+    optimizer: str | dict = "AdamW",
+    accelerator: Literal["auto", "cpu", "cuda", "gpu"] = "auto",
+    devices: int | str = "auto",
+    num_nodes: int = 1,
+    tokenizer_dir: Path | None = None,
+    logger_name: Literal["csv", "tensorboard", "wandb", "mlflow", "litlogger"] = "csv",
+    seed: int = 42,
+    scape: ScapeConfig = ScapeConfig(),  # noqa: B008  # frozen
+    process_group_backend: Literal["nccl", "gloo"] | None = None,
+    compile: bool = True,
+    comm_log_interval: int = 0,
+    _hyperparameters: dict[str, Any] | None = None,
+) -> None:
+    """Pretrain a litgpt model with SCAPE sparse data parallelism.
+
+    Arguments other than the last six are litgpt's ``pretrain`` arguments, with the same meaning (see
+    ``litgpt pretrain --help``); recipes in ``recipes/`` show them all.
+
+    Args:
+        model_name: A name from ``litgpt.config`` (``pythia-14m``, ...). Ignored when ``model_config`` is set.
+        model_config: A full ``litgpt.Config`` (the Llama-like recipes define their own).
+        out_dir: Checkpoints (``step-XXXXXXXX/lit_model.pth`` plus its per-rank ``.scape`` folder) and logs.
+        precision: "32-true", "bf16-mixed" or "16-mixed"; default bf16-mixed on GPUs that support it, else
+            32-true. "bf16-true" is refused: the residual and AdamS would run in bf16.
+        initial_checkpoint_dir: A litgpt checkpoint to start from (continued pretraining).
+        resume: A ``lit_model.pth`` to resume from, ``True`` for the latest in ``out_dir``, or ``"auto"``.
+            Resuming needs the same world size (SCAPE state is per rank).
+        data: A litgpt ``DataModule``; default :class:`~lightning_scape.data.TextFolder` on the Python
+            standard library's sources (offline).
+        train: litgpt ``TrainArgs`` (batch sizes, ``max_tokens`` / ``max_steps``, ``max_norm``, warm-up,
+            ``save_interval``, ``log_interval``).
+        eval: litgpt ``EvalArgs``.
+        log: litgpt ``LogArgs``.
+        optimizer: litgpt's optimizer spec. AdamW/Adam are converted to AdamS with the same hyperparameters;
+            ``lightning_scape.AdamS`` may be named directly.
+        accelerator: "cpu", "cuda"/"gpu" or "auto".
+        devices: Processes per node ("auto": all GPUs, or 1 on CPU).
+        num_nodes: Nodes of the cluster; every node runs ``devices`` processes.
+        tokenizer_dir: litgpt tokenizer folder, for data modules that need one (TextFolder trains its own).
+        logger_name: Where litgpt's metrics go; "csv" needs nothing installed.
+        seed: Seed of the model initialisation and data order.
+        scape: The SCAPE section (:class:`~lightning_scape.ScapeConfig`); every field has tuning advice there.
+        process_group_backend: "nccl" or "gloo"; default NCCL on GPUs, gloo on CPU.
+        compile: False makes litgpt's ``torch.compile`` a no-op (CPU debug runs: compiling a small model on
+            2 cores takes longer than training it).
+        comm_log_interval: Every this many optimizer steps, print and log SCAPE's communication (``comm/``
+            keys: bytes sent per step and their ratio to dense). 0: litgpt's ``train.log_interval``.
+        _hyperparameters: The parsed command line, written to each checkpoint's ``hyperparameters.yaml``
+            (filled in by the command line).
+    """
+    import lightning as L
+    from litgpt import pretrain as litgpt_pretrain
+    from litgpt.config import Config
+    from litgpt.tokenizer import Tokenizer
+    from litgpt.utils import choose_logger, extend_checkpoint_dir, init_out_dir, parse_devices
+
+    from lightning_scape.strategy import ScapeStrategy
+
+    if model_config is None:
+        if model_name is None:
+            raise RecipeError("Set model_name (a litgpt config name, e.g. pythia-14m) or model_config in the recipe.")
+        try:
+            model_config = Config.from_name(model_name)
+        except ValueError as exc:
+            raise RecipeError(
+                f"model_name={model_name!r} is not a litgpt config name ({exc}). Run `litgpt pretrain list` for "
+                "the names, or define model_config in the recipe."
+            ) from exc
+    if train.max_steps is not None:
+        seq = train.max_seq_length or model_config.block_size
+        raise RecipeError(
+            f"train.max_steps={train.max_steps} would be ignored: litgpt's pretraining loop stops on "
+            f"train.max_tokens. Unset max_steps and set --train.max_tokens "
+            f"{train.max_steps * train.global_batch_size * seq} (= max_steps x global_batch_size x {seq} tokens)."
+        )
+    if data is None:
+        from lightning_scape.data import TextFolder
+
+        data = TextFolder()
+    check_vocab(data, model_config)
+    if initial_checkpoint_dir is not None:
+        initial_checkpoint_dir = extend_checkpoint_dir(initial_checkpoint_dir)
+    if tokenizer_dir is not None:
+        tokenizer_dir = extend_checkpoint_dir(tokenizer_dir)
+    if precision is None:
+        precision = default_precision(accelerator)
+    check_precision(precision)
+    n_devices = parse_devices(devices) if accelerator != "cpu" or devices != "auto" else 1
+    out_dir = init_out_dir(out_dir)
+    tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+
+    logger = choose_logger(
+        logger_name,
+        out_dir,
+        name=f"pretrain-{model_config.name}",
+        resume=bool(resume),
+        log_interval=train.log_interval,
+        log_args=dataclasses.asdict(log),
+    )
+    comm_logger = _CommunicationLogger(comm_log_interval or train.log_interval)
+    strategy = ScapeStrategy(config=scape, process_group_backend=process_group_backend)
+    fabric = L.Fabric(
+        accelerator=accelerator,
+        devices=n_devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        precision=precision,  # type: ignore[arg-type]  # one of PRECISIONS, checked above
+        loggers=[logger],
+        callbacks=[comm_logger],
+    )
+    fabric.launch()
+    comm_logger.fabric = fabric
+    fabric.print(f"SCAPE: {scape.to_dict()}")
+    if _hyperparameters is not None and logger_name in ("tensorboard", "wandb", "mlflow"):
+        fabric.logger.log_hyperparams(_hyperparameters)
+
+    with _litgpt_adapted(litgpt_pretrain, compile=compile, hyperparameters=_hyperparameters):
+        litgpt_pretrain.main(
+            fabric=fabric,
+            devices=n_devices,
+            num_nodes=num_nodes,
+            seed=seed,
+            initial_checkpoint_dir=initial_checkpoint_dir,
+            resume=resume,
+            config=model_config,
+            data=data,
+            out_dir=out_dir,
+            tokenizer_dir=tokenizer_dir,
+            tokenizer=tokenizer,
+            train=train,
+            eval=eval,
+            optimizer=optimizer,
+        )
+    comm_logger.report_total()
+
+
+def default_precision(accelerator: str) -> str:
+    """bf16-mixed where a CUDA GPU supports bf16 and will be used, else 32-true."""
+    if accelerator != "cpu" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "32-true"
+
+
+def check_precision(precision: str) -> None:
+    """Refuse the precisions the SCAPE strategy does not train in, saying what to use instead."""
+    if precision not in PRECISIONS:
+        raise RecipeError(
+            f"precision={precision!r} is not supported by SCAPE pretraining: the error-feedback residual and "
+            "AdamS would run in low precision. Use 'bf16-mixed' (GPUs) or '32-true'."
+        )
+
+
+def check_vocab(data: Any, model_config: Config) -> None:
+    """The data's token ids must fit the model's embedding; say which number to change when they do not."""
+    bound = getattr(data, "vocab_size_bound", None)
+    if bound is not None and bound > model_config.padded_vocab_size:
+        raise RecipeError(
+            f"The data module produces token ids up to {bound - 1}, but the model's embedding has "
+            f"padded_vocab_size={model_config.padded_vocab_size}. Set model_config.padded_vocab_size (and "
+            f"vocab_size) to at least {bound}, or lower data.init_args.vocab_size."
+        )
+
+
+class _CommunicationLogger:
+    """A Fabric callback: SCAPE's bytes per step, logged through litgpt's logger every ``interval`` steps."""
+
+    def __init__(self, interval: int) -> None:
+        from lightning_scape.monitors import CommunicationMonitor
+
+        self.interval = max(1, interval)
+        self.monitor = CommunicationMonitor(per_kind=False, progress_bar=False)
+        self.fabric: L.Fabric | None = None
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        """Fabric hook (every rank): record the step; every ``interval`` steps log and print the window."""
+        self.monitor.on_after_optimizer_step(strategy=strategy, optimizer=optimizer)
+        engine = getattr(strategy, "engine", None)
+        # The engine's step count survives a resume, so the logged steps continue where the checkpoint was.
+        if engine is None or engine.step_count % self.interval != 0 or self.fabric is None:
+            return
+        metrics = self.monitor.compute()  # every rank: the wait-time keys all-gather across ranks
+        self.fabric.log_dict(metrics, step=engine.step_count)
+        self.fabric.print(
+            f"step {engine.step_count} | SCAPE sent {metrics['comm/sent_bytes'] / 1e3:.1f} kB/step, "
+            f"{metrics['comm/compression_ratio']:.1f}x less than dense data parallelism"
+        )
+
+    def report_total(self) -> None:
+        """Print the bytes sent over the whole run against the dense equivalent."""
+        if self.fabric is None:
+            return
+        engine = getattr(self.fabric.strategy, "engine", None)
+        if engine is None:
+            return
+        c = engine.counters
+        self.fabric.print(
+            f"SCAPE sent {c.total_sent_bytes / 1e6:.2f} MB in total; dense data parallelism would have sent "
+            f"{c.total_dense_equivalent / 1e6:.2f} MB"
+        )
+
+
+@contextlib.contextmanager
+def _litgpt_adapted(module: Any, compile: bool, hyperparameters: dict[str, Any] | None) -> Iterator[None]:
+    """Swap litgpt's hyperparameter capture (and, on request, ``torch.compile``) for the duration of the run."""
+    import torch._dynamo
+
+    def save_hyperparameters(_function: Any, checkpoint_dir: Path, *args: Any, **kwargs: Any) -> None:
+        if hyperparameters is not None:
+            import yaml
+
+            with open(Path(checkpoint_dir) / "hyperparameters.yaml", "w") as fh:
+                yaml.safe_dump(hyperparameters, fh, sort_keys=False)
+
+    saved = module.save_hyperparameters
+    saved_disable = torch._dynamo.config.disable
+    module.save_hyperparameters = save_hyperparameters
+    if not compile:
+        torch._dynamo.config.disable = True
+    try:
+        yield
+    finally:
+        module.save_hyperparameters = saved
+        torch._dynamo.config.disable = saved_disable
+
+
+# ----------------------------------------------------------------------------------------- command line
+
+
+def build_parser() -> ArgumentParser:
+    """The ``lightning-scape pretrain`` argument parser: :func:`pretrain`'s signature plus ``--config``."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(
+        prog="lightning-scape pretrain",
+        description="Pretrain a litgpt model with SCAPE sparse data parallelism (litgpt's loop, SCAPE strategy).",
+        exit_on_error=False,
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="A recipe: YAML in litgpt's pretrain format.")
+    parser.add_function_arguments(pretrain, skip={"_hyperparameters"})
+    return parser
+
+
+def _rewrite_data_path(argv: list[str]) -> list[str]:
+    """``--data PATH`` (a folder or file that exists) means ``--data.path PATH`` of the TextFolder data module."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        value: str | None = None
+        if arg == "--data" and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif arg.startswith("--data="):
+            value, i = arg.split("=", 1)[1], i + 1
+        else:
+            out.append(arg)
+            i += 1
+            continue
+        if os.path.exists(value) or os.sep in value:
+            out += ["--data", "lightning_scape.data.TextFolder", "--data.path", value]
+        else:
+            out += ["--data", value]
+    return out
+
+
+def parse(argv: list[str]) -> tuple[Namespace, dict[str, Any]]:
+    """Parse the command line; returns the namespace and :func:`pretrain`'s keyword arguments."""
+    parser = build_parser()
+    cfg = parser.parse_args(_rewrite_data_path(argv))
+    init = parser.instantiate_classes(cfg)
+    kwargs = {k: v for k, v in vars(init).items() if k != "config"}
+    return cfg, kwargs
+
+
+def run_pretrain(argv: list[str]) -> int:
+    """``lightning-scape pretrain --config recipes/NAME.yaml [--train.max_steps 100 ...]``."""
+    from jsonargparse import ArgumentError
+
+    if any(a in ("-h", "--help") for a in argv):
+        build_parser().print_help()
+        return 0
+    try:
+        cfg, kwargs = parse(argv)
+    except (ArgumentError, ValueError, TypeError) as exc:
+        print(f"lightning-scape pretrain: {exc}", file=sys.stderr)
+        return 2
+    hyperparameters = build_parser().dump(cfg, format="yaml", skip_none=False)
+    import yaml
+
+    kwargs["_hyperparameters"] = yaml.safe_load(hyperparameters)
+    try:
+        pretrain(**kwargs)
+    except RecipeError as exc:
+        print(f"lightning-scape pretrain: {exc}", file=sys.stderr)
+        return 2
+    return 0

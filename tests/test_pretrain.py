@@ -1,0 +1,157 @@
+"""``lightning-scape pretrain``: recipes, command-line validation, and litgpt's loop end to end on 2 processes."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_scape.config import ScapeConfig
+from lightning_scape.pretrain import RecipeError, _rewrite_data_path, check_vocab, parse, pretrain, run_pretrain
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPES = REPO / "recipes"
+DEBUG = str(RECIPES / "debug.yaml")
+
+# Recipe -> parameters its model must have (litgpt counts; the names promise the paper's sizes).
+EXPECTED_PARAMS = {
+    "debug": 857_216,
+    "pythia-14m": 14_067_712,
+    "pythia-160m": 162_322_944,
+    "llama-500m": 518_119_680,
+    "llama-1.8b": 1_803_803_904,
+}
+
+
+def _params_on_meta(model_config: Any) -> int:
+    from litgpt import GPT
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(model_config).parameters())
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_every_recipe_parses_and_builds_its_model(name: str, tmp_path: Path) -> None:
+    from litgpt.config import Config
+
+    _, kwargs = parse(["--config", str(RECIPES / f"{name}.yaml"), "--data.cache_dir", str(tmp_path)])
+    config = kwargs["model_config"] or Config.from_name(kwargs["model_name"])
+    assert _params_on_meta(config) == EXPECTED_PARAMS[name]
+    assert isinstance(kwargs["scape"], ScapeConfig) and kwargs["scape"].density == 0.01
+    check_vocab(kwargs["data"], config)  # the recipe's tokenizer fits the model's embedding
+    assert kwargs["train"].max_steps is None  # litgpt's loop would ignore it
+    assert kwargs["precision"] in ("32-true", "bf16-mixed")
+    # litgpt's loop stops on tokens: the recipes state their step counts in comments; check the arithmetic.
+    seq = config.block_size
+    steps = kwargs["train"].max_tokens / (kwargs["train"].global_batch_size * seq)
+    warmup = kwargs["scape"].dense_warmup_steps
+    assert steps >= 100 and warmup < steps
+
+
+def test_overrides_and_data_shorthand(tmp_path: Path) -> None:
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello world\n" * 100)
+    _, kwargs = parse(
+        ["--config", DEBUG, "--scape.density", "0.1", "--train.micro_batch_size", "4", "--data", str(corpus)]
+    )
+    assert kwargs["scape"].density == 0.1 and kwargs["scape"].dense_warmup_steps == 30  # the rest from the recipe
+    assert kwargs["train"].micro_batch_size == 4
+    assert Path(kwargs["data"].path) == corpus
+    assert _rewrite_data_path(["--data", "TinyStories"]) == ["--data", "TinyStories"]
+    assert _rewrite_data_path([f"--data={corpus}"])[-2:] == ["--data.path", str(corpus)]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--scape.density", "2"], "density=2.0 must lie in (0, 1]"),
+        (["--scape.densty", "0.1"], "densty"),
+        (["--scape.chunk_size", "1000"], "power of two"),
+        (["--train.max_steps", "10"], "--train.max_tokens 20480"),
+        (["--precision", "bf16-true"], "'bf16-mixed' (GPUs) or '32-true'"),
+        (["--model_config.padded_vocab_size", "128", "--model_config.vocab_size", "128"], "at least 256"),
+        (["--data", "/no/such/folder"], "/no/such/folder"),
+    ],
+)
+def test_bad_values_exit_2_with_a_message_naming_the_fix(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_pretrain(["--config", DEBUG, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lightning-scape pretrain:") and message in err, err
+
+
+def test_bpe_vocab_larger_than_the_embedding_is_refused(tmp_path: Path) -> None:
+    _, kwargs = parse(["--config", DEBUG, "--data.tokenizer", "bpe", "--data.vocab_size", "4096"])
+    with pytest.raises(RecipeError, match=r"padded_vocab_size=256.*at least 4096"):
+        pretrain(**kwargs)
+
+
+def test_help_lists_the_scape_section(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_pretrain(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--scape.density" in out and "--train.max_tokens" in out and "--config" in out
+
+
+# ------------------------------------------------------------------------------- end to end, 2 processes
+
+
+def _pretrain(out_dir: Path, cache: Path, *args: str) -> str:
+    """Run ``python -m lightning_scape pretrain`` on the debug recipe; return its output."""
+    env = {**os.environ, "LIGHTNING_SCAPE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_scape", "pretrain", "--config", DEBUG, "--out_dir", str(out_dir),
+         "--data.max_bytes", "600000", "--train.log_interval", "5", "--train.save_interval", "20",
+         "--eval.max_iters", "4", "--train.max_tokens", str(60 * 16 * 128), *args],
+        env=env, cwd=out_dir.parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def _metrics(out_dir: Path) -> list[dict[str, str]]:
+    (path,) = out_dir.glob("logs/csv/**/metrics.csv")
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
+def _final_params(out_dir: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(out_dir / "final" / "lit_model.pth", weights_only=True)
+    return {k: v for k, v in state["model"].items()}
+
+
+@pytest.mark.dist
+def test_debug_recipe_trains_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    log = _pretrain(full, cache)
+    # litgpt's loop ran: 60 steps, checkpoints every 20 with SCAPE's per-rank files beside them.
+    for step in (20, 40, 60):
+        ckpt = full / f"step-{step:08d}" / "lit_model.pth"
+        assert ckpt.is_file() and (full / f"step-{step:08d}" / "hyperparameters.yaml").is_file()
+        assert sorted(p.name for p in Path(f"{ckpt}.scape").iterdir()) == ["rank-00000.pt", "rank-00001.pt"]
+    rows = [r for r in _metrics(full) if r.get("loss")]
+    losses = [float(r["loss"]) for r in rows]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 1.0, losses  # byte-level: from ~5.5 nats to below 3
+    # SCAPE's communication is logged through litgpt's logger: dense until step 30, then ~1% of it.
+    comm = {int(r["step"]): float(r["comm/compression_ratio"]) for r in _metrics(full) if r.get("comm/compression_ratio")}
+    assert comm[20] == pytest.approx(1.0, rel=0.01) and comm[60] > 50, comm
+    assert "SCAPE sent" in log and "Final evaluation | val loss" in log
+
+    # Resume from step 40 in a fresh folder: litgpt continues at iteration 41 with the same data order,
+    # learning rate, SCAPE state and masks, and ends at exactly the uninterrupted run's weights.
+    log = _pretrain(resumed, cache, "--resume", str(full / "step-00000040" / "lit_model.pth"))
+    assert "Resuming training from" in log
+    iters = [int(r["iter"]) for r in _metrics(resumed) if r.get("iter")]
+    assert iters and min(iters) == 45 and max(iters) == 60, iters
+    a, b = _final_params(full), _final_params(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
