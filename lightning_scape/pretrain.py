@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,7 +191,7 @@ def pretrain(
     if _hyperparameters is not None and logger_name in ("tensorboard", "wandb", "mlflow"):
         fabric.logger.log_hyperparams(_hyperparameters)
 
-    with _litgpt_adapted(litgpt_pretrain, compile=compile, hyperparameters=_hyperparameters):
+    with _litgpt_adapted(litgpt_pretrain, compile=compile, hyperparameters=_hyperparameters, data=data):
         litgpt_pretrain.main(
             fabric=fabric,
             devices=n_devices,
@@ -256,9 +257,11 @@ class _CommunicationLogger:
             return
         metrics = self.monitor.compute()  # every rank: the wait-time keys all-gather across ranks
         self.fabric.log_dict(metrics, step=engine.step_count)
+        warmup = engine.config.dense_warmup_steps
+        phase = f" (dense warm-up: {warmup} steps)" if engine.step_count <= warmup else ""
         self.fabric.print(
             f"step {engine.step_count} | SCAPE sent {metrics['comm/sent_bytes'] / 1e3:.1f} kB/step, "
-            f"{metrics['comm/compression_ratio']:.1f}x less than dense data parallelism"
+            f"{metrics['comm/compression_ratio']:.1f}x fewer bytes than dense data parallelism{phase}"
         )
 
     def report_total(self) -> None:
@@ -276,8 +279,15 @@ class _CommunicationLogger:
 
 
 @contextlib.contextmanager
-def _litgpt_adapted(module: Any, compile: bool, hyperparameters: dict[str, Any] | None) -> Iterator[None]:
-    """Swap litgpt's hyperparameter capture (and, on request, ``torch.compile``) for the duration of the run."""
+def _litgpt_adapted(
+    module: Any, compile: bool, hyperparameters: dict[str, Any] | None, data: Any
+) -> Iterator[None]:
+    """Swap litgpt's hyperparameter capture (and, on request, ``torch.compile``) for the duration of the run.
+
+    litgpt calls ``save_hyperparameters`` on rank 0 for every checkpoint folder; here it writes this command's
+    parsed arguments and, for a data module that trained its own BPE, that ``tokenizer.json`` (so
+    ``litgpt generate`` can use the checkpoint folder as it is).
+    """
     import torch._dynamo
 
     def save_hyperparameters(_function: Any, checkpoint_dir: Path, *args: Any, **kwargs: Any) -> None:
@@ -286,6 +296,9 @@ def _litgpt_adapted(module: Any, compile: bool, hyperparameters: dict[str, Any] 
 
             with open(Path(checkpoint_dir) / "hyperparameters.yaml", "w") as fh:
                 yaml.safe_dump(hyperparameters, fh, sort_keys=False)
+        tokenizer = getattr(data, "tokenizer_path", None)
+        if tokenizer is not None and Path(tokenizer).is_file():
+            shutil.copyfile(tokenizer, Path(checkpoint_dir) / "tokenizer.json")
 
     saved = module.save_hyperparameters
     saved_disable = torch._dynamo.config.disable

@@ -100,20 +100,80 @@ def test_help_lists_the_scape_section(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--scape.density" in out and "--train.max_tokens" in out and "--config" in out
 
 
+def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores_everything(tmp_path: Path) -> None:
+    import types
+
+    import torch._dynamo
+    import yaml
+
+    from lightning_scape.pretrain import _litgpt_adapted
+
+    def litgpt_save(*args: Any) -> None:
+        raise AssertionError("litgpt's own hyperparameter capture would re-parse sys.argv")
+
+    module = types.SimpleNamespace(save_hyperparameters=litgpt_save)
+    tokenizer = tmp_path / "tok.json"
+    tokenizer.write_text('{"model": "bpe"}')
+    data = types.SimpleNamespace(tokenizer_path=tokenizer)
+    before = torch._dynamo.config.disable
+    with _litgpt_adapted(module, compile=False, hyperparameters={"scape": {"density": 0.01}}, data=data):
+        assert torch._dynamo.config.disable is True
+        module.save_hyperparameters(object(), tmp_path)
+    assert module.save_hyperparameters is litgpt_save and torch._dynamo.config.disable == before
+    assert yaml.safe_load((tmp_path / "hyperparameters.yaml").read_text()) == {"scape": {"density": 0.01}}
+    assert (tmp_path / "tokenizer.json").read_text() == '{"model": "bpe"}'
+
+
 # ------------------------------------------------------------------------------- end to end, 2 processes
 
 
+def _command(out_dir: Path, *args: str) -> list[str]:
+    """``python -m lightning_scape pretrain`` on the debug recipe, 60 steps, shortened logging and evaluation."""
+    return [
+        sys.executable, "-m", "lightning_scape", "pretrain", "--config", DEBUG, "--out_dir", str(out_dir),
+        "--data.max_bytes", "600000", "--train.log_interval", "5", "--train.save_interval", "20",
+        "--eval.max_iters", "4", "--train.max_tokens", str(60 * 16 * 128), *args,
+    ]  # fmt: skip
+
+
+def _env(cache: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "LIGHTNING_SCAPE_CACHE": str(cache), "OMP_NUM_THREADS": "1", **extra}
+
+
 def _pretrain(out_dir: Path, cache: Path, *args: str) -> str:
-    """Run ``python -m lightning_scape pretrain`` on the debug recipe; return its output."""
-    env = {**os.environ, "LIGHTNING_SCAPE_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    """Run the debug recipe on one "node" of 2 processes (the recipe's devices: 2); return its output."""
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_scape", "pretrain", "--config", DEBUG, "--out_dir", str(out_dir),
-         "--data.max_bytes", "600000", "--train.log_interval", "5", "--train.save_interval", "20",
-         "--eval.max_iters", "4", "--train.max_tokens", str(60 * 16 * 128), *args],
-        env=env, cwd=out_dir.parent, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        _command(out_dir, *args), env=_env(cache), cwd=out_dir.parent, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
+
+
+def _pretrain_two_nodes(out_dir: Path, cache: Path) -> None:
+    """The same run as 2 "nodes" of 1 process each, joined only through Lightning's environment variables."""
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            _command(out_dir, "--devices", "1", "--num_nodes", "2"),
+            env=_env(cache, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node)),
+            cwd=out_dir.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _metrics(out_dir: Path) -> list[dict[str, str]]:
@@ -127,11 +187,17 @@ def _final_params(out_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state["model"].items()}
 
 
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """The debug recipe for 60 steps on one node of 2 processes, checkpoints every 20: (out_dir, cache, log)."""
+    root = tmp_path_factory.mktemp("pretrain")
+    cache, out_dir = root / "cache", root / "full"
+    return out_dir, cache, _pretrain(out_dir, cache)
+
+
 @pytest.mark.dist
-def test_debug_recipe_trains_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
-    cache = tmp_path / "cache"
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    log = _pretrain(full, cache)
+def test_debug_recipe_trains_logs_and_checkpoints(full_run: tuple[Path, Path, str]) -> None:
+    full, _, log = full_run
     # litgpt's loop ran: 60 steps, checkpoints every 20 with SCAPE's per-rank files beside them.
     for step in (20, 40, 60):
         ckpt = full / f"step-{step:08d}" / "lit_model.pth"
@@ -141,17 +207,43 @@ def test_debug_recipe_trains_checkpoints_and_resumes_exactly(tmp_path: Path) -> 
     losses = [float(r["loss"]) for r in rows]
     assert len(losses) == 12 and losses[-1] < losses[0] - 1.0, losses  # byte-level: from ~5.5 nats to below 3
     # SCAPE's communication is logged through litgpt's logger: dense until step 30, then ~1% of it.
-    comm = {int(r["step"]): float(r["comm/compression_ratio"]) for r in _metrics(full) if r.get("comm/compression_ratio")}
+    ratio = "comm/compression_ratio"
+    comm = {int(r["step"]): float(r[ratio]) for r in _metrics(full) if r.get(ratio)}
     assert comm[20] == pytest.approx(1.0, rel=0.01) and comm[60] > 50, comm
     assert "SCAPE sent" in log and "Final evaluation | val loss" in log
 
-    # Resume from step 40 in a fresh folder: litgpt continues at iteration 41 with the same data order,
-    # learning rate, SCAPE state and masks, and ends at exactly the uninterrupted run's weights.
+
+@pytest.mark.dist
+def test_resume_continues_exactly_where_the_checkpoint_was(
+    full_run: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    """Resume from step 40 in a fresh folder: litgpt continues at iteration 41 with the same data order,
+    learning rate, SCAPE state and masks, and ends at exactly the uninterrupted run's weights."""
+    full, cache, _ = full_run
+    resumed = tmp_path / "resumed"
     log = _pretrain(resumed, cache, "--resume", str(full / "step-00000040" / "lit_model.pth"))
     assert "Resuming training from" in log
     iters = [int(r["iter"]) for r in _metrics(resumed) if r.get("iter")]
     assert iters and min(iters) == 45 and max(iters) == 60, iters
-    a, b = _final_params(full), _final_params(resumed)
+    _assert_same_weights(_final_params(full), _final_params(resumed))
+
+
+@pytest.mark.dist
+def test_two_nodes_through_lightning_environment_equal_one_node_of_two(
+    full_run: tuple[Path, Path, str], tmp_path: Path
+) -> None:
+    """Multi-node needs no code change: NODE_RANK/MASTER_ADDR give the same global ranks, hence the same run."""
+    full, cache, _ = full_run
+    two_nodes = tmp_path / "two_nodes"
+    _pretrain_two_nodes(two_nodes, cache)
+    assert sorted(p.name for p in (two_nodes / "final" / "lit_model.pth.scape").iterdir()) == [
+        "rank-00000.pt",
+        "rank-00001.pt",
+    ]
+    _assert_same_weights(_final_params(full), _final_params(two_nodes))
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
