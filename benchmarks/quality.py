@@ -25,7 +25,6 @@ import torch
 from lightning_scape import ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.demo import (
-    DemoArgs,
     build_demo_model,
     demo_optimizer,
     lm_loss,
@@ -69,10 +68,7 @@ def configurations(density: float, warmup: int) -> dict[str, dict[str, Any]]:
 def train(rank: int, comm: Communicator, cfg: ScapeConfig, args: argparse.Namespace) -> dict[str, Any]:
     """One rank's run; rank 0 returns the loss curves."""
     torch.set_num_threads(1)
-    demo = DemoArgs(
-        args.steps, args.batch_size, args.block_size, args.lr, cfg.dense_warmup_steps, cfg.density, None, args.max_bytes
-    )
-    train_tokens, val_tokens = load_tokens(demo)
+    train_tokens, val_tokens = load_tokens(args.max_bytes)
     with _INIT_LOCK:
         model = build_demo_model(args.block_size)
     opt = demo_optimizer(model, args.lr)

@@ -1,25 +1,112 @@
-"""The README demo end to end, shortened: 2 gloo processes per method, a few steps."""
+"""The README demo end to end, shortened: 2 gloo processes per method, a few steps, on a folder of text."""
 
 from __future__ import annotations
+
+import csv
+import itertools
+import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from lightning_scape.__main__ import main
-from lightning_scape.demo import run_demo
+from lightning_scape.demo import CSV_COLUMNS, run_demo
+
+WORDS = ["alpha", "beta", "gamma", "delta", "sparse", "dense", "tensor", "gradient", "mask", "residual"]
+STEPS, EVAL_EVERY = 6, 4
+
+
+def write_corpus(folder: Path, n_files: int = 30, words: int = 400) -> None:
+    """``n_files`` text files of random words, a few in a subfolder."""
+    rng = random.Random(0)
+    for i in range(n_files):
+        path = folder / (f"sub/doc{i:02d}.txt" if i % 7 == 3 else f"doc{i:02d}.txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"document {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) + "\n")
 
 
 @pytest.mark.dist
-def test_demo_runs_both_methods_and_scape_sends_far_less(capsys: pytest.CaptureFixture[str]) -> None:
-    dense, scape = run_demo(["--steps", "6", "--warmup", "2", "--max-bytes", "300000", "--batch-size", "2"])
-    out = capsys.readouterr().out
-    assert "dense AdamS" in out and "SCAPE d=0.01" in out and "kB sent/step" in out
+def test_demo_on_a_text_folder_writes_table_csv_and_png(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_SCAPE_CACHE", str(tmp_path / "cache"))  # TextFolder's token cache
+    corpus, out = tmp_path / "corpus", tmp_path / "out"
+    write_corpus(corpus)
+    argv = ["--steps", str(STEPS), "--warmup", "2", "--batch-size", "2", "--block-size", "64"]
+    argv += ["--eval-every", str(EVAL_EVERY), "--data", str(corpus), "--out", str(out)]
+    dense, scape = run_demo(argv)
+    text = capsys.readouterr().out
+    assert "dense AdamS" in text and "SCAPE d=0.01" in text and "kB sent/step" in text
+    assert str(out / "demo.csv") in text and str(out / "demo.png") in text
+
     # SCAPE's sparse steps send about (W-1)/W * d N (b_g + b_p + b_i) = 1% * 10/4 of DDP's 2 (W-1)/W N b.
     assert scape["bytes_per_step"] < dense["bytes_per_step"] / 50
     # Dense: one all-reduce of the padded flat buffer, 2 (W-1)/W N b with W = 2, b = 4.
     assert dense["bytes_per_step"] == dense["padded_params"] * 4
     assert dense["dense_equivalent_per_step"] == dense["params"] * 4
+    # With the warm-up counted, SCAPE's average lies between its sparse steps and a dense step.
+    assert scape["bytes_per_step"] < scape["bytes_per_step_all"] < dense["bytes_per_step_all"]
     for r in (dense, scape):
         assert 0.0 < r["val_loss"] < 6.0 and r["tokens_per_s"] > 0
+        assert sorted(r["val_losses"]) == [EVAL_EVERY, STEPS] and r["val_losses"][STEPS] == r["val_loss"]
+    # Both runs start from the same weights and see the same batches; SCAPE's sharded warm-up matches the
+    # all-reduce up to rounding.
+    assert dense["train_losses"][0] == scape["train_losses"][0]
+    assert dense["train_losses"][:3] == pytest.approx(scape["train_losses"][:3], rel=1e-5)
+
+    with open(out / "demo.csv", newline="") as fh:
+        reader = csv.reader(fh)
+        assert tuple(next(reader)) == CSV_COLUMNS
+        rows = [dict(zip(CSV_COLUMNS, row, strict=True)) for row in reader]
+    assert [r["method"] for r in rows] == ["dense"] * STEPS + ["scape"] * STEPS
+    for result in (dense, scape):
+        mine = [r for r in rows if r["method"] == result["method"]]
+        assert [int(r["step"]) for r in mine] == list(range(1, STEPS + 1))
+        sent = [int(r["bytes_sent"]) for r in mine]
+        cumulative = [int(r["cumulative_bytes_sent"]) for r in mine]
+        assert all(b >= a for a, b in itertools.pairwise(cumulative))
+        assert cumulative[-1] == result["total_bytes"] == sum(sent)  # warm-up included
+        assert [float(r["train_loss"]) for r in mine] == pytest.approx(result["train_losses"], abs=1e-6)
+        assert [int(r["step"]) for r in mine if r["val_loss"]] == [EVAL_EVERY, STEPS]
+        assert float(mine[-1]["val_loss"]) == pytest.approx(result["val_loss"], abs=1e-6)
+
+    png = (out / "demo.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_missing_data_path_is_a_one_line_error_from_the_command_line(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-folder"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_scape", "demo", "--data", str(missing), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"--data {missing}: no such file or directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_folder_without_text_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_SCAPE_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "a.bin").write_bytes(b"\x00\x01\x02" * 100)
+    with pytest.raises(SystemExit) as exit_info:
+        run_demo(["--data", str(tmp_path / "bin"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"lightning-scape demo: error: the text at {tmp_path / 'bin'}: " in err and "no readable text files" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_invalid_scape_setting_is_refused_before_any_process_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run_demo(["--density", "2"])
+    assert exit_info.value.code == 2 and "density=2.0 must lie in (0, 1]" in capsys.readouterr().err
 
 
 def test_cli_usage_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
