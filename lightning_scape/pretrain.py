@@ -90,8 +90,9 @@ def pretrain(
 ) -> None:
     """Pretrain a litgpt model with SCAPE sparse data parallelism.
 
-    Arguments other than the last six are litgpt's ``pretrain`` arguments, with the same meaning (see
-    ``litgpt pretrain --help``); recipes in ``recipes/`` show them all.
+    The arguments are litgpt's ``pretrain`` arguments, with the same meaning (see ``litgpt pretrain --help``),
+    plus ``accelerator``, ``scape``, ``process_group_backend``, ``compile`` and ``comm_log_interval``; the
+    recipes in ``recipes/`` show them all.
 
     Args:
         model_name: A name from ``litgpt.config`` (``pythia-14m``, ...). Ignored when ``model_config`` is set.
@@ -104,8 +105,8 @@ def pretrain(
             Resuming needs the same world size (SCAPE state is per rank).
         data: A litgpt ``DataModule``; default :class:`~lightning_scape.data.TextFolder` on the Python
             standard library's sources (offline).
-        train: litgpt ``TrainArgs`` (batch sizes, ``max_tokens`` / ``max_steps``, ``max_norm``, warm-up,
-            ``save_interval``, ``log_interval``).
+        train: litgpt ``TrainArgs`` (batch sizes, ``max_tokens``, ``max_norm``, warm-up, ``save_interval``,
+            ``log_interval``). ``max_steps`` is refused: litgpt's loop would ignore it.
         eval: litgpt ``EvalArgs``.
         log: litgpt ``LogArgs``.
         optimizer: litgpt's optimizer spec. AdamW/Adam are converted to AdamS with the same hyperparameters;
@@ -150,10 +151,15 @@ def pretrain(
             f"train.max_tokens. Unset max_steps and set --train.max_tokens "
             f"{train.max_steps * train.global_batch_size * seq} (= max_steps x global_batch_size x {seq} tokens)."
         )
-    if data is None:
-        from lightning_scape.data import TextFolder
+    from lightning_scape.data import TextFolder
 
+    if data is None:
         data = TextFolder()
+    if tokenizer_dir is not None and isinstance(data, TextFolder):
+        raise RecipeError(
+            "tokenizer_dir is set, but the TextFolder data module trains its own tokenizer (data.init_args."
+            "tokenizer: byte or bpe). Unset tokenizer_dir, or use a litgpt data module that takes a tokenizer."
+        )
     check_vocab(data, model_config)
     if initial_checkpoint_dir is not None:
         initial_checkpoint_dir = extend_checkpoint_dir(initial_checkpoint_dir)

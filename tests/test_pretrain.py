@@ -78,6 +78,7 @@ def test_overrides_and_data_shorthand(tmp_path: Path) -> None:
         (["--precision", "bf16-true"], "'bf16-mixed' (GPUs) or '32-true'"),
         (["--model_config.padded_vocab_size", "128", "--model_config.vocab_size", "128"], "at least 256"),
         (["--data", "/no/such/folder"], "/no/such/folder"),
+        (["--tokenizer_dir", "/tmp"], "Unset tokenizer_dir"),
     ],
 )
 def test_bad_values_exit_2_with_a_message_naming_the_fix(
