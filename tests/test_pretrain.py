@@ -128,10 +128,15 @@ def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores
 # ------------------------------------------------------------------------------- end to end, 2 processes
 
 
-def _command(out_dir: Path, *args: str) -> list[str]:
-    """``python -m lightning_scape pretrain`` on the debug recipe, 60 steps, shortened logging and evaluation."""
+# The console script pip installed beside this interpreter (the README's entry point).
+CONSOLE_SCRIPT = str(Path(sys.executable).parent / "lightning-scape")
+MODULE = [sys.executable, "-m", "lightning_scape"]
+
+
+def _command(out_dir: Path, *args: str, program: list[str] = MODULE) -> list[str]:
+    """``program pretrain`` on the debug recipe, 60 steps, shortened logging and evaluation."""
     return [
-        sys.executable, "-m", "lightning_scape", "pretrain", "--config", DEBUG, "--out_dir", str(out_dir),
+        *program, "pretrain", "--config", DEBUG, "--out_dir", str(out_dir),
         "--data.max_bytes", "600000", "--train.log_interval", "5", "--train.save_interval", "20",
         "--eval.max_iters", "4", "--train.max_tokens", str(60 * 16 * 128), *args,
     ]  # fmt: skip
@@ -141,10 +146,19 @@ def _env(cache: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "LIGHTNING_SCAPE_CACHE": str(cache), "OMP_NUM_THREADS": "1", **extra}
 
 
-def _pretrain(out_dir: Path, cache: Path, *args: str) -> str:
-    """Run the debug recipe on one "node" of 2 processes (the recipe's devices: 2); return its output."""
+def _pretrain(out_dir: Path, cache: Path, *args: str, program: list[str] = MODULE) -> str:
+    """Run the debug recipe on one "node" of 2 processes (the recipe's devices: 2); return its output.
+
+    The second process is started by Lightning re-running this command line, so both entry points
+    (``python -m lightning_scape`` and the ``lightning-scape`` console script) must survive that.
+    """
     proc = subprocess.run(
-        _command(out_dir, *args), env=_env(cache), cwd=out_dir.parent, capture_output=True, text=True, timeout=300
+        _command(out_dir, *args, program=program),
+        env=_env(cache),
+        cwd=out_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
@@ -190,10 +204,13 @@ def _final_params(out_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
-    """The debug recipe for 60 steps on one node of 2 processes, checkpoints every 20: (out_dir, cache, log)."""
+    """The debug recipe for 60 steps on one node of 2 processes, checkpoints every 20: (out_dir, cache, log).
+
+    Started through the console script; the resume and two-node runs use ``python -m lightning_scape``.
+    """
     root = tmp_path_factory.mktemp("pretrain")
     cache, out_dir = root / "cache", root / "full"
-    return out_dir, cache, _pretrain(out_dir, cache)
+    return out_dir, cache, _pretrain(out_dir, cache, program=[CONSOLE_SCRIPT])
 
 
 @pytest.mark.dist
