@@ -18,15 +18,15 @@ import math
 import os
 import socket
 import sys
-import sysconfig
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import lightning as L
@@ -34,7 +34,7 @@ import torch
 
 from lightning_scape.adams import AdamS
 from lightning_scape.config import ScapeConfig
-from lightning_scape.data import TextFolder
+from lightning_scape.data import TextFolder, stdlib_root
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.strategy import ScapeStrategy
 
@@ -43,11 +43,15 @@ METHODS = ("dense", "scape")
 CSV_COLUMNS = ("method", "step", "train_loss", "bytes_sent", "cumulative_bytes_sent", "val_loss")
 # A failed or stuck rank should end the demo in minutes, not after ScapeConfig's 30-minute default.
 COLLECTIVE_TIMEOUT_S = 120.0
+# The demo model: 4 layers, 128 wide; 0.86M parameters with byte tokens.
+DEMO_MODEL_SHAPE: Mapping[str, int] = MappingProxyType(
+    {"n_layer": 4, "n_head": 4, "n_embd": 128, "intermediate_size": 344}
+)
 
 
 def stdlib_corpus(max_bytes: int) -> bytes:
     """Up to ``max_bytes`` of the standard library's ``.py`` files, in sorted (deterministic) order."""
-    root = sysconfig.get_paths()["stdlib"]
+    root = str(stdlib_root())
     files = sorted(glob.glob(os.path.join(root, "*.py")))
     if not files:
         raise FileNotFoundError(f"no Python sources under {root}; train on your own text instead")
@@ -74,15 +78,21 @@ class DemoArgs:
     eval_batches: int = 8
 
 
-def build_demo_model(block_size: int, vocab_size: int = 256) -> torch.nn.Module:
-    """The demo's litgpt GPT: 4 layers, 128 wide (0.86M parameters with 256 byte tokens), seeded.
+def build_demo_model(
+    block_size: int, vocab_size: int = 256, shape: Mapping[str, int] = DEMO_MODEL_SHAPE, seed: int = 0
+) -> torch.nn.Module:
+    """The demo's litgpt GPT (Llama-style: RMSNorm, SwiGLU, full rotary, no biases), seeded.
 
     Args:
         block_size: The longest sequence the model sees.
         vocab_size: Token ids are below this (256 for bytes; the BPE vocabulary size otherwise).
+        shape: ``n_layer``, ``n_head``, ``n_embd`` and ``intermediate_size``; the default
+            :data:`DEMO_MODEL_SHAPE` has 0.86M parameters with 256 byte tokens. The network benchmark passes
+            its presets here.
+        seed: The initialisation seed (every rank builds the same model from the same seed).
 
     Returns:
-        The model, initialised from ``torch.manual_seed(0)``.
+        The model, initialised from ``torch.manual_seed(seed)``.
     """
     from litgpt import GPT, Config
 
@@ -91,17 +101,14 @@ def build_demo_model(block_size: int, vocab_size: int = 256) -> torch.nn.Module:
         block_size=block_size,
         vocab_size=vocab_size,
         padded_vocab_size=vocab_size,
-        n_layer=4,
-        n_head=4,
-        n_embd=128,
         rotary_percentage=1.0,
         parallel_residual=False,
         bias=False,
         norm_class_name="RMSNorm",
         mlp_class_name="LLaMAMLP",
-        intermediate_size=344,
+        **shape,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return GPT(cfg)
 
 
@@ -144,12 +151,16 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def demo_optimizer(model: torch.nn.Module, lr: float) -> AdamS:
-    """AdamS with weight decay on matrices only (norms and biases in a no-decay group)."""
+def weight_decay_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Two parameter groups: matrices (decayed) and vectors (norms and biases, ``weight_decay=0``)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return AdamS(groups, lr=lr)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def demo_optimizer(model: torch.nn.Module, lr: float) -> AdamS:
+    """AdamS with weight decay on matrices only (see :func:`weight_decay_groups`)."""
+    return AdamS(weight_decay_groups(model), lr=lr)
 
 
 def set_cosine_lr(optimizer: torch.optim.Optimizer, step: int, steps: int, peak: float) -> None:

@@ -37,7 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_scape import AdamS, ProcessGroupCommunicator, ScapeConfig, ScapeEngine
 from lightning_scape.comm import KIND_DENSE, ByteCounters
-from lightning_scape.demo import stdlib_corpus
+from lightning_scape.demo import (
+    DEMO_MODEL_SHAPE,
+    build_demo_model,
+    lm_loss,
+    load_tokens,
+    sample_batch,
+    weight_decay_groups,
+)
 
 # litgpt GPT shapes (byte-level, vocabulary 256). "base" is what the published numbers use: on this
 # 2-core VM one rank's step on 4 x 128 tokens takes 0.40-0.43 s (compute-only, docs/benchmarks.md), while
@@ -45,7 +52,7 @@ from lightning_scape.demo import stdlib_corpus
 # is 0.4 of the compute there, and 4 times it at 100 Mbit/s.
 MODEL_PRESETS: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "intermediate_size": 172},  # 0.1M: smoke test
-    "small": {"n_layer": 4, "n_head": 4, "n_embd": 128, "intermediate_size": 344},  # 0.86M: W = 4
+    "small": dict(DEMO_MODEL_SHAPE),  # 0.86M, the README demo's model: W = 4
     "base": {"n_layer": 6, "n_head": 4, "n_embd": 256, "intermediate_size": 688},  # 4.88M: W = 2
 }
 
@@ -121,37 +128,9 @@ class MethodRecord:
 
 def build_model(preset: str, block_size: int, seed: int) -> nn.Module:
     """A byte-level litgpt GPT of the given preset, initialised from ``seed`` (identical on every rank)."""
-    from litgpt import GPT, Config
-
     if preset not in MODEL_PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {list(MODEL_PRESETS)}.")
-    cfg = Config(
-        name=f"netbench-{preset}",
-        block_size=block_size,
-        vocab_size=256,
-        padded_vocab_size=256,
-        rotary_percentage=1.0,
-        parallel_residual=False,
-        bias=False,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-        **MODEL_PRESETS[preset],
-    )
-    torch.manual_seed(seed)
-    return GPT(cfg)
-
-
-def param_groups(model: nn.Module) -> list[dict[str, Any]]:
-    """Weight decay on matrices, none on norms (the same split for every optimizer)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def lm_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    """Next-byte cross-entropy."""
-    logits = model(x)
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    return build_demo_model(block_size, 256, shape=MODEL_PRESETS[preset], seed=seed)
 
 
 def lr_at(step: int, spec: WorkerSpec) -> float:
@@ -288,7 +267,7 @@ class ComputeOnly(Method):
     def __init__(self, spec: WorkerSpec) -> None:
         self.name = COMPUTE_ONLY
         self.model = build_model(spec.model, spec.block_size, spec.seed)
-        self.opt = torch.optim.AdamW(param_groups(self.model), lr=spec.lr, weight_decay=0.1)
+        self.opt = torch.optim.AdamW(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
         self.max_grad_norm = spec.max_grad_norm
         self.counters = None
         self._watch_gradients()
@@ -321,7 +300,7 @@ class DDPMethod(Method):
         else:
             raise ValueError(f"unknown DDP method {name!r}")
         self.ddp.register_comm_hook(state, hook)
-        groups = param_groups(self.model)
+        groups = weight_decay_groups(self.model)
         if name == "ddp_adams":
             self.opt = AdamS(groups, lr=spec.lr, weight_decay=0.1)
         else:
@@ -402,7 +381,7 @@ class ScapeMethod(Method):
             mask_statistic="gradient" if name.startswith("scape_gradient") else "momentum",
             bucket_cap_mb=BUCKET_CAP_MB,
         )
-        self.opt = AdamS(param_groups(self.model), lr=spec.lr, weight_decay=0.1)
+        self.opt = AdamS(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
         comm_cls = A2ACommunicator if name == A2A_METHOD else ProcessGroupCommunicator
         self.engine = ScapeEngine(
             self.opt,
@@ -450,32 +429,17 @@ def read_iface(ifname: str) -> tuple[int, int]:
         return int(tx.read()), int(rx.read())
 
 
-def load_tokens(max_bytes: int) -> Tensor:
-    """The training bytes: the first ``max_bytes`` of the standard library's sources (90% of them)."""
-    data = stdlib_corpus(max_bytes)
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    return tokens[: int(0.9 * len(tokens))]
-
-
-def sample(tokens: Tensor, gen: torch.Generator, batch: int, block: int) -> tuple[Tensor, Tensor]:
-    """``batch`` random windows of ``block`` bytes and their next bytes."""
-    ix = torch.randint(len(tokens) - block - 1, (batch,), generator=gen)
-    x = torch.stack([tokens[i : i + block] for i in ix])
-    y = torch.stack([tokens[i + 1 : i + 1 + block] for i in ix])
-    return x, y
-
-
 def run(spec: WorkerSpec) -> dict[str, Any]:
     """Train every method of ``spec`` on this rank; returns the per-step records and static facts."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dist.all_reduce = _COUNTER  # count DDP hooks' traffic (see _AllReduceCounter)
-    tokens = load_tokens(spec.max_bytes)
+    tokens, _ = load_tokens(spec.max_bytes)  # the first 90% of the stdlib bytes
     methods = [make_method(name, spec, world_size) for name in spec.methods]
     records = {m.name: MethodRecord() for m in methods}
     gen = torch.Generator().manual_seed(1234 + rank)
     t_start = time.perf_counter()
     for step in range(spec.steps):
-        x, y = sample(tokens, gen, spec.batch_size, spec.block_size)
+        x, y = sample_batch(tokens, gen, spec.batch_size, spec.block_size)
         lr = lr_at(step, spec)
         k = step % len(methods)
         for m in methods[k:] + methods[:k]:
