@@ -309,10 +309,15 @@ class TextFolder(DataModule):
         Load it with ``tokenizers.Tokenizer.from_file``. Data tokens were encoded with
         ``encode_special_tokens = True`` (a literal ``<|endoftext|>`` in a file is text, not the separator);
         set the same on the loaded tokenizer to reproduce them exactly.
+
+        Once the splits are loaded it names their entry without listing the corpus again (litgpt's checkpoint
+        hook asks at every save), and so stays the tokenizer of the tokens being trained on even if the files
+        change during the run.
         """
         if self.tokenizer == "byte":
             return None
-        return self._entry_dir(self._list_corpus()) / "tokenizer.json"
+        entry = self._loaded[0] if self._loaded is not None else self._entry_dir(self._list_corpus())
+        return entry / "tokenizer.json"
 
     def token_splits(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The (train, validation) token streams as 1-D int64 tensors, building the cache if needed.

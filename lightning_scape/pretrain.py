@@ -37,7 +37,7 @@ from lightning_scape.config import ScapeConfig
 
 if TYPE_CHECKING:
     import lightning as L
-    from jsonargparse import ArgumentParser, Namespace
+    from jsonargparse import ArgumentParser
     from litgpt.config import Config
     from litgpt.data import DataModule
 
@@ -357,31 +357,36 @@ def _rewrite_data_path(argv: list[str]) -> list[str]:
     return out
 
 
-def parse(argv: list[str]) -> tuple[Namespace, dict[str, Any]]:
-    """Parse the command line; returns the namespace and :func:`pretrain`'s keyword arguments."""
+def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Parse the command line.
+
+    Returns:
+        The parsed configuration as plain data (what ``hyperparameters.yaml`` records) and :func:`pretrain`'s
+        keyword arguments, ``_hyperparameters`` included.
+    """
+    import yaml
+
     parser = build_parser()
     cfg = parser.parse_args(_rewrite_data_path(argv))
     init = parser.instantiate_classes(cfg)
+    hyperparameters = yaml.safe_load(parser.dump(cfg, format="yaml", skip_none=False))
     kwargs = {k: v for k, v in vars(init).items() if k != "config"}
-    return cfg, kwargs
+    kwargs["_hyperparameters"] = hyperparameters
+    return hyperparameters, kwargs
 
 
 def run_pretrain(argv: list[str]) -> int:
-    """``lightning-scape pretrain --config recipes/NAME.yaml [--train.max_steps 100 ...]``."""
+    """``lightning-scape pretrain --config recipes/NAME.yaml [--train.max_tokens 1000000 ...]``."""
     from jsonargparse import ArgumentError
 
     if any(a in ("-h", "--help") for a in argv):
         build_parser().print_help()
         return 0
     try:
-        cfg, kwargs = parse(argv)
+        _, kwargs = parse(argv)
     except (ArgumentError, ValueError, TypeError) as exc:
         print(f"lightning-scape pretrain: {exc}", file=sys.stderr)
         return 2
-    hyperparameters = build_parser().dump(cfg, format="yaml", skip_none=False)
-    import yaml
-
-    kwargs["_hyperparameters"] = yaml.safe_load(hyperparameters)
     try:
         pretrain(**kwargs)
     except RecipeError as exc:
