@@ -190,6 +190,11 @@ def test_bpe_trains_caches_and_round_trips(
     assert torch.equal(again.token_splits()[0], train) and again.tokenizer_path == data.tokenizer_path
     assert TextFolder(path=folder, cache_dir=tmp_path / "cache").tokenizer_path is None  # byte
 
+    # A file edited during the run: the loaded splits' tokenizer is still the one named (a fresh listing would
+    # name a new, not yet built entry, and litgpt's checkpoints would lose their tokenizer.json).
+    (folder / "special.txt").write_text("edited mid-run\n")
+    assert again.tokenizer_path == data.tokenizer_path and again.tokenizer_path.is_file()
+
 
 def test_max_bytes_truncates_in_sorted_order(tmp_path: Path) -> None:
     folder = tmp_path / "c"
