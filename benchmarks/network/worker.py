@@ -66,7 +66,10 @@ SCAPE_METHODS = (
     "scape_gradient_d0.01",
 )
 ALL_METHODS: tuple[str, ...] = (COMPUTE_ONLY, *DDP_METHODS, *SCAPE_METHODS)
-# Not part of "all": SCAPE with the harness's all-to-all reduce-scatter instead of gloo's (see A2ACommunicator).
+# Not part of "all". It measured SCAPE with an all-to-all reduce-scatter when the package still used gloo's own
+# (2x the formula on the wire, docs/benchmarks.md finding 1). The package's ProcessGroupCommunicator now does
+# exactly that all-to-all on gloo, so this is scape_sharded_d0.01 under its old name, kept so that the
+# documented commands still run.
 A2A_METHOD = "scape_sharded_d0.01_a2a"
 EXTRA_METHODS: tuple[str, ...] = (A2A_METHOD,)
 METHOD_LABELS: dict[str, str] = {
@@ -331,40 +334,6 @@ class DDPMethod(Method):
         return 2 * (w - 1) * n * b // w
 
 
-class _SumOnWait:
-    """An all-to-all in flight; ``wait`` sums the W received slices into the reduce-scatter's output."""
-
-    def __init__(
-        self, work: dist.Work | None, received: Tensor, output: Tensor, world_size: int, timeout_s: float
-    ) -> None:
-        self._work, self._received, self._output = work, received, output
-        self._w, self._timeout = world_size, timeout_s
-
-    def wait(self) -> None:
-        """Block until the all-to-all is done, then sum."""
-        if self._work is None:
-            return
-        self._work.wait(timedelta(seconds=self._timeout))
-        self._work = None
-        torch.sum(self._received.view(self._w, -1), dim=0, out=self._output)
-
-
-class A2ACommunicator(ProcessGroupCommunicator):
-    """``ProcessGroupCommunicator`` whose reduce-scatter is an all-to-all plus a local sum.
-
-    gloo's flat reduce-scatter sends what an all-reduce sends, 2 (W-1)/W n b per rank (measured in the
-    namespaces: 4.20 MB for 1M fp32 values at W = 2, the same as ``all_reduce``), twice the ring
-    formula that ``ByteCounters`` charges. ``all_to_all_single`` sends (W-1)/W n b (2.10 MB), so this
-    variant shows what SCAPE's sharded mode costs once the package's communicator does the same.
-    """
-
-    def reduce_scatter_sum(self, output: Tensor, input: Tensor) -> _SumOnWait:
-        """Async reduce-scatter (sum) as all-to-all + sum on ``wait``."""
-        received = torch.empty_like(input)
-        work = dist.all_to_all_single(received, input, group=self.group, async_op=True)
-        return _SumOnWait(work, received, output, self.world_size, self.timeout_s)
-
-
 class ScapeMethod(Method):
     """The package's ``ScapeEngine`` over ``ProcessGroupCommunicator`` (the default gloo group)."""
 
@@ -382,11 +351,10 @@ class ScapeMethod(Method):
             bucket_cap_mb=BUCKET_CAP_MB,
         )
         self.opt = AdamS(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
-        comm_cls = A2ACommunicator if name == A2A_METHOD else ProcessGroupCommunicator
         self.engine = ScapeEngine(
             self.opt,
             self.config,
-            comm_cls(timeout_s=spec.timeout_s),
+            ProcessGroupCommunicator(timeout_s=spec.timeout_s),
             param_order=list(self.model.parameters()),
         )
         self.counters = self.engine.counters
