@@ -165,17 +165,7 @@ class Problem:
             self.mask,
             self.C,
             self.new_values,
-            step=self.step_no,
-            lr=1e-4,
-            lr_update=1e-4,
-            beta1=0.9,
-            beta2=0.95,
-            eps=1e-8,
-            weight_decay=0.1,
-            bias_correction=True,
-            staleness_correction=False,
-            catch_up=False,
-            catch_up_cap=8.0,
+            K.AdamSHyper(step=self.step_no, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1),
         )
 
     def select_mask(self) -> None:
@@ -192,13 +182,7 @@ class Problem:
             self.params,
             self.momentum,
             self.grads,
-            step=self.step_no,
-            lr=1e-4,
-            beta1=0.9,
-            beta2=0.95,
-            eps=1e-8,
-            weight_decay=0.1,
-            bias_correction=True,
+            K.AdamSHyper(step=self.step_no, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1),
         )
 
     def sparse_step(self) -> None:

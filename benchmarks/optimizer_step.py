@@ -47,13 +47,10 @@ def sync(device: str) -> None:
 def engine_state_bytes(engine: ScapeEngine) -> int:
     """Bytes of SCAPE state beyond the parameters and gradients."""
     total = 0
-    for bs in engine.buckets:
-        tensors = [bs.residual, bs.momentum, bs.last_sent, bs.values, bs.new_values]
-        if bs.gbar is not bs.values:
-            tensors.append(bs.gbar)
-        if bs.gathered is not bs.new_values:
-            tensors.append(bs.gathered)
-        tensors += list({id(m): m.indices for m in bs.masks}.values())
+    for i, bs in enumerate(engine.buckets):
+        tensors = [bs.residual, bs.momentum, bs.last_sent, bs.values, bs.updated]
+        tensors += [t for t in (bs.received, bs.gathered) if t is not None]
+        tensors += list({id(m): m.indices for m in engine.masks.queues[i]}.values())
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._positions import mask_positions
+from ._hyper import AdamSHyper
+from ._positions import MAX_CHUNK_SIZE, mask_positions
 from ._triton import HAS_TRITON, INTERPRETED, LOW_FLOATS, is_pow2, use_triton
 from .chunk_topk import (
     chunk_topk_ref,
@@ -33,12 +34,11 @@ from .ef_compact import ef_compact_ref, ef_compact_triton
 from .scatter_decay import scatter_decay_ref, scatter_decay_triton
 from .sparse_adams import sparse_adams_ref, sparse_adams_triton
 
-_MAX_CHUNK = 32768
 _STATE_FLOATS = (torch.float32, torch.float64)
 
 
 def _chunk_ok(chunk_size: int) -> bool:
-    return is_pow2(chunk_size) and chunk_size <= _MAX_CHUNK
+    return is_pow2(chunk_size) and chunk_size <= MAX_CHUNK_SIZE
 
 
 def ef_compact(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int, out: Tensor) -> None:
@@ -66,18 +66,7 @@ def sparse_adams(
     mask: Tensor,
     chunk_size: int,
     out: Tensor,
-    *,
-    step: int,
-    lr: float,
-    lr_update: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    staleness_correction: bool,
-    catch_up: bool,
-    catch_up_cap: float,
+    hyper: AdamSHyper,
 ) -> None:
     """AdamS on the masked slots (see :func:`sparse_adams_ref`); fp64 state runs the ref."""
     fn = sparse_adams_ref
@@ -90,35 +79,7 @@ def sparse_adams(
         and out.dtype in LOW_FLOATS
     ):
         fn = sparse_adams_triton
-    fn(
-        param,
-        momentum,
-        last_sent,
-        gbar,
-        mask,
-        chunk_size,
-        out,
-        step=step,
-        lr=lr,
-        lr_update=lr_update,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        staleness_correction=staleness_correction,
-        catch_up=catch_up,
-        catch_up_cap=catch_up_cap,
-    )
-
-
-def mask_scores(momentum: Tensor, residual: Tensor, beta1: float, statistic: str) -> Tensor:
-    """The mask statistic (see :func:`mask_scores_ref`).
-
-    Always the reference: it is two element-wise torch ops, which already run on the GPU. The fused
-    path that never materialises the scores is :func:`select_mask`.
-    """
-    return mask_scores_ref(momentum, residual, beta1, statistic)
+    fn(param, momentum, last_sent, gbar, mask, chunk_size, out, hyper)
 
 
 def chunk_topk(scores: Tensor, chunk_size: int, k: int, k_explore: int, explore_offset: int) -> Tensor:
@@ -170,20 +131,7 @@ def scatter_decay(params: Tensor, values: Tensor, mask: Tensor, chunk_size: int,
         scatter_decay_ref(params, values, mask, chunk_size, decay)
 
 
-def dense_adams(
-    param: Tensor,
-    momentum: Tensor,
-    grad: Tensor | None,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    lr_update: float | None = None,
-) -> None:
+def dense_adams(param: Tensor, momentum: Tensor, grad: Tensor | None, hyper: AdamSHyper) -> None:
     """Dense AdamS, in place (see :func:`dense_adams_ref`); fp64 state runs the ref."""
     tensors = (param, momentum) if grad is None else (param, momentum, grad)
     fn = dense_adams_ref
@@ -195,24 +143,14 @@ def dense_adams(
         and momentum.numel() == param.numel()
     ):
         fn = dense_adams_triton
-    fn(
-        param,
-        momentum,
-        grad,
-        step=step,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction,
-        lr_update=lr_update,
-    )
+    fn(param, momentum, grad, hyper)
 
 
 __all__ = [
     "HAS_TRITON",
     "INTERPRETED",
+    "MAX_CHUNK_SIZE",
+    "AdamSHyper",
     "chunk_topk",
     "chunk_topk_ref",
     "chunk_topk_triton",
@@ -223,7 +161,6 @@ __all__ = [
     "ef_compact_ref",
     "ef_compact_triton",
     "mask_positions",
-    "mask_scores",
     "mask_scores_ref",
     "scatter_decay",
     "scatter_decay_ref",

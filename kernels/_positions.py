@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# A chunk-local index is stored as int16, so a chunk holds at most 2**15 coordinates.
+MAX_CHUNK_SIZE = 32768
+
 
 def mask_positions(mask: Tensor, chunk_size: int) -> Tensor:
     """Flat int64 positions of a mask.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._positions import MAX_CHUNK_SIZE
 from ._triton import HAS_TRITON, require_triton, tl, triton
 
 # Codes of the score a selection kernel computes from its inputs.
@@ -176,8 +177,8 @@ def _launch_select(
 ) -> Tensor:
     require_triton()
     C = chunk_size
-    if not (0 < C <= 32768 and C & (C - 1) == 0):
-        raise ValueError(f"chunk_size must be a power of two <= 32768, got {C}")
+    if not (0 < C <= MAX_CHUNK_SIZE and C & (C - 1) == 0):
+        raise ValueError(f"chunk_size must be a power of two <= {MAX_CHUNK_SIZE}, got {C}")
     if a.numel() % C != 0 or b.numel() != a.numel():
         raise ValueError(f"inputs of {a.numel()} and {b.numel()} values are not whole chunks of {C}")
     if not (1 <= k <= C and 0 <= k_explore <= k):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._hyper import AdamSHyper
 from ._triton import HAS_TRITON, cast_rne, require_triton, tl, triton
 
 
@@ -19,15 +20,7 @@ def dense_adams_ref(
     param: Tensor,
     momentum: Tensor,
     grad: Tensor | None,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    lr_update: float | None = None,
+    hyper: AdamSHyper,
 ) -> None:
     """Pure-PyTorch reference (and CPU path), in place.
 
@@ -35,28 +28,21 @@ def dense_adams_ref(
         param: Parameters (any float dtype); the arithmetic runs in ``momentum.dtype``.
         momentum: First moment m, same shape, fp32 or fp64.
         grad: Gradient, same shape; None means g = 0 (momentum-only step).
-        step: The step t (1-based).
-        lr: Learning rate (drives weight decay, and the update unless ``lr_update`` is given).
-        beta1: b1.
-        beta2: b2.
-        eps: Denominator epsilon.
-        weight_decay: Decoupled weight decay.
-        bias_correction: Divide the momenta by ``1 - b1**t``.
-        lr_update: Learning rate of the update term, if different from ``lr``.
+        hyper: The step's hyperparameters (the sparse-only fields are ignored).
     """
-    lr_u = lr if lr_update is None else lr_update
+    h = hyper
     sdt = momentum.dtype
-    c = 1.0 - beta1**step if bias_correction else 1.0
+    c = h.bias_c
     theta = param if param.dtype == sdt else param.to(sdt)
-    if weight_decay != 0.0:
-        theta.mul_(1.0 - lr * weight_decay)
-    nu = (momentum / c).square_().mul_(beta2)
-    momentum.mul_(beta1)
+    if h.weight_decay != 0.0:
+        theta.mul_(h.decay)
+    nu = (momentum / c).square_().mul_(h.beta2)
+    momentum.mul_(h.beta1)
     if grad is not None:
         g = grad.to(sdt)
-        nu.add_(g.square(), alpha=1.0 - beta2)
-        momentum.add_(g, alpha=1.0 - beta1)
-    theta.addcdiv_(momentum, nu.sqrt_().add_(eps), value=-lr_u / c)
+        nu.add_(g.square(), alpha=1.0 - h.beta2)
+        momentum.add_(g, alpha=1.0 - h.beta1)
+    theta.addcdiv_(momentum, nu.sqrt_().add_(h.eps), value=-h.update_lr / c)
     if theta is not param:
         param.copy_(theta)
 
@@ -103,15 +89,7 @@ def dense_adams_triton(
     param: Tensor,
     momentum: Tensor,
     grad: Tensor | None,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    lr_update: float | None = None,
+    hyper: AdamSHyper,
 ) -> None:
     """Triton kernel of :func:`dense_adams_ref`: one fused pass (fp32 momentum only).
 
@@ -122,14 +100,7 @@ def dense_adams_triton(
         param: Contiguous parameters (fp32, bf16 or fp16), updated in place.
         momentum: Contiguous fp32 first moment, same number of elements.
         grad: Contiguous gradient, same number of elements; None means g = 0 (nothing is read).
-        step: The step t (1-based).
-        lr: Learning rate (drives weight decay, and the update unless ``lr_update`` is given).
-        beta1: b1.
-        beta2: b2.
-        eps: Denominator epsilon.
-        weight_decay: Decoupled weight decay.
-        bias_correction: Divide the momenta by ``1 - b1**t``.
-        lr_update: Learning rate of the update term, if different from ``lr``.
+        hyper: The step's hyperparameters (the sparse-only fields are ignored).
     """
     require_triton()
     if momentum.dtype != torch.float32:
@@ -139,8 +110,8 @@ def dense_adams_triton(
         raise ValueError("param, momentum and grad must have the same number of elements")
     if n == 0:
         return
-    lr_u = lr if lr_update is None else lr_update
-    c = 1.0 - beta1**step if bias_correction else 1.0
+    h = hyper
+    c = h.bias_c
     block = 1024
     _dense_adams_kernel[(triton.cdiv(n, block),)](
         param,
@@ -149,14 +120,14 @@ def dense_adams_triton(
         momentum if grad is None else grad,
         n,
         float(c),
-        float(beta1),
-        1.0 - beta1,
-        float(beta2),
-        1.0 - beta2,
-        float(eps),
+        float(h.beta1),
+        1.0 - h.beta1,
+        float(h.beta2),
+        1.0 - h.beta2,
+        float(h.eps),
         # The ref skips the multiply when wd == 0; multiplying by exactly 1.0 changes nothing.
-        1.0 - lr * weight_decay,
-        -lr_u / c,
+        h.decay,
+        -h.update_lr / c,
         BLOCK=block,
         HAS_GRAD=grad is not None,
         num_warps=4,

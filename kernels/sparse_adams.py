@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._hyper import AdamSHyper
 from ._positions import mask_positions
 from ._triton import HAS_TRITON, cast_rne, require_triton, tl, triton
 
@@ -28,18 +29,7 @@ def sparse_adams_ref(
     mask: Tensor,
     chunk_size: int,
     out: Tensor,
-    *,
-    step: int,
-    lr: float,
-    lr_update: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    staleness_correction: bool,
-    catch_up: bool,
-    catch_up_cap: float,
+    hyper: AdamSHyper,
 ) -> None:
     """Pure-PyTorch reference (and CPU path).
 
@@ -51,35 +41,27 @@ def sparse_adams_ref(
         mask: ``[rows, k]`` int16 chunk-local indices of the region.
         chunk_size: Coordinates per chunk.
         out: ``[rows * k]`` new parameter values at the slots (parameter dtype).
-        step: The step t being taken (1-based, warm-up included).
-        lr: The group's learning rate (drives weight decay).
-        lr_update: Learning rate of the AdamS update (``lr * sparse_lr_scale``).
-        beta1: First-moment decay b1.
-        beta2: Second-moment decay b2.
-        eps: Denominator epsilon.
-        weight_decay: Decoupled weight decay wd.
-        bias_correction: Divide the momenta by ``1 - b1**t``.
-        staleness_correction: Divide g by tau in the second-moment term.
-        catch_up: Scale the update by ``min(tau, catch_up_cap)``.
-        catch_up_cap: Cap of the catch-up factor.
+        hyper: The step's hyperparameters; the update uses ``hyper.update_lr``, the weight decay
+            ``hyper.lr``.
     """
+    h = hyper
     pos = mask_positions(mask, chunk_size)
     sdt = momentum.dtype
-    c = 1.0 - beta1**step if bias_correction else 1.0
+    c = h.bias_c
     theta = param.index_select(0, pos).to(sdt)
     m_prev = momentum.index_select(0, pos)
     g = gbar.to(sdt)
-    tau = (step - last_sent.index_select(0, pos)).to(sdt) if (staleness_correction or catch_up) else None
-    g2 = (g / tau).square() if (staleness_correction and tau is not None) else g.square()
-    nu = (m_prev / c).square_().mul_(beta2).add_(g2, alpha=1.0 - beta2)
-    m = m_prev.mul(beta1).add_(g, alpha=1.0 - beta1)
-    upd = (m / c).div_(nu.sqrt_().add_(eps))
-    if catch_up and tau is not None:
-        upd.mul_(tau.clamp(max=catch_up_cap))
-    new = theta.mul_(1.0 - lr * weight_decay).sub_(upd, alpha=lr_update)
+    tau = (h.step - last_sent.index_select(0, pos)).to(sdt) if (h.staleness_correction or h.catch_up) else None
+    g2 = (g / tau).square() if (h.staleness_correction and tau is not None) else g.square()
+    nu = (m_prev / c).square_().mul_(h.beta2).add_(g2, alpha=1.0 - h.beta2)
+    m = m_prev.mul(h.beta1).add_(g, alpha=1.0 - h.beta1)
+    upd = (m / c).div_(nu.sqrt_().add_(h.eps))
+    if h.catch_up and tau is not None:
+        upd.mul_(tau.clamp(max=h.catch_up_cap))
+    new = theta.mul_(h.decay).sub_(upd, alpha=h.update_lr)
     out.copy_(new)
     momentum.index_copy_(0, pos, m)
-    last_sent.index_fill_(0, pos, step)
+    last_sent.index_fill_(0, pos, h.step)
 
 
 if HAS_TRITON:
@@ -147,24 +129,14 @@ def sparse_adams_triton(
     mask: Tensor,
     chunk_size: int,
     out: Tensor,
-    *,
-    step: int,
-    lr: float,
-    lr_update: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    bias_correction: bool,
-    staleness_correction: bool,
-    catch_up: bool,
-    catch_up_cap: float,
+    hyper: AdamSHyper,
 ) -> None:
     """Triton kernel of :func:`sparse_adams_ref` (same arguments; fp32 momentum only).
 
     One lane per slot gathers theta, m and last_sent at its coordinate, takes the AdamS step and
-    scatters m and last_sent back: ``rows * k`` lanes, nothing dense. Equal to the ref up to the last
-    bits of fp32 arithmetic (the order of operations is the same; fma contraction may differ).
+    scatters m and last_sent back: ``rows * k`` lanes, nothing dense. The operations, their order and
+    their fused multiply-adds are the ref's; the results differ from it only in the last bits, because the
+    kernel's ``sqrt_rn`` is correctly rounded and PyTorch's CPU ``sqrt`` is not.
 
     Args:
         param: ``[rows * chunk_size]`` contiguous parameters (read only).
@@ -174,17 +146,7 @@ def sparse_adams_triton(
         mask: ``[rows, k]`` contiguous int16 chunk-local indices (distinct within a row).
         chunk_size: Coordinates per chunk.
         out: ``[rows * k]`` contiguous new parameter values at the slots.
-        step: The step t (1-based).
-        lr: The group's learning rate (drives weight decay).
-        lr_update: Learning rate of the update.
-        beta1: b1.
-        beta2: b2.
-        eps: Denominator epsilon.
-        weight_decay: Decoupled weight decay.
-        bias_correction: Divide the momenta by ``1 - b1**t``.
-        staleness_correction: Divide g by tau in the second-moment term.
-        catch_up: Scale the update by ``min(tau, catch_up_cap)``.
-        catch_up_cap: Cap of the catch-up factor.
+        hyper: The step's hyperparameters.
     """
     require_triton()
     if mask.dim() != 2 or mask.dtype != torch.int16:
@@ -202,7 +164,7 @@ def sparse_adams_triton(
         return
     # The scalars are computed in Python (fp64) and rounded to fp32 once, exactly as the ref's scalar
     # arguments are when they meet fp32 tensors.
-    c = 1.0 - beta1**step if bias_correction else 1.0
+    h = hyper
     block = 1024
     _sparse_adams_kernel[(triton.cdiv(n_slots, block),)](
         param,
@@ -213,20 +175,20 @@ def sparse_adams_triton(
         out,
         n_slots,
         k,
-        int(step),
-        float(c),
-        float(beta1),
-        1.0 - beta1,
-        float(beta2),
-        1.0 - beta2,
-        float(eps),
-        1.0 - lr * weight_decay,
-        -float(lr_update),
-        float(catch_up_cap),
+        int(h.step),
+        float(h.bias_c),
+        float(h.beta1),
+        1.0 - h.beta1,
+        float(h.beta2),
+        1.0 - h.beta2,
+        float(h.eps),
+        h.decay,
+        -float(h.update_lr),
+        float(h.catch_up_cap),
         C=chunk_size,
         BLOCK=block,
-        STALENESS=bool(staleness_correction),
-        CATCH_UP=bool(catch_up),
+        STALENESS=bool(h.staleness_correction),
+        CATCH_UP=bool(h.catch_up),
         num_warps=4,
         # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
         enable_fp_fusion=False,

@@ -6,12 +6,12 @@ optimizer, usable on its own.
 
 # Importing the two Lightning adapters registers strategy="scape" with the Trainer and with Fabric.
 from lightning_scape import pytorch  # lightning_scape.pytorch.ScapeStrategy: the Trainer's strategy
-from lightning_scape._wiring import ScapeOptimizer
 from lightning_scape.adams import AdamS
 from lightning_scape.comm import ByteCounters, Communicator, ProcessGroupCommunicator, SoloCommunicator
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.monitors import CommunicationMonitor, MaskMonitor
+from lightning_scape.optimizer import ScapeOptimizer
 from lightning_scape.simulation import simulate
 from lightning_scape.strategy import ScapeStrategy  # Fabric's strategy
 

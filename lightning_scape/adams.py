@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_scape.kernels import dense_adams
+from lightning_scape.kernels import AdamSHyper, dense_adams
 
 
 def state_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
@@ -91,10 +91,7 @@ class AdamS(Optimizer):
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype_for(p.dtype))
                 state["step"] += 1
-                dense_adams(
-                    p,
-                    state["exp_avg"],
-                    p.grad,
+                hyper = AdamSHyper(
                     step=int(state["step"].item()),
                     lr=group["lr"],
                     beta1=b1,
@@ -103,4 +100,5 @@ class AdamS(Optimizer):
                     weight_decay=group["weight_decay"],
                     bias_correction=group["bias_correction"],
                 )
+                dense_adams(p, state["exp_avg"], p.grad, hyper)
         return loss

@@ -5,16 +5,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
+
+from lightning_scape.kernels import MAX_CHUNK_SIZE
 
 MaskStatistic = Literal["momentum", "gradient", "random"]
 UnmaskedUpdate = Literal["frozen", "momentum"]
 
 MASK_STATISTICS: tuple[str, ...] = ("momentum", "gradient", "random")
 UNMASKED_UPDATES: tuple[str, ...] = ("frozen", "momentum")
-
-# A chunk-local index is stored as int16, so a chunk holds at most 2**15 coordinates.
-MAX_CHUNK_SIZE = 32768
 
 
 @dataclass(frozen=True)
@@ -157,3 +156,38 @@ def _validate(cfg: ScapeConfig) -> None:
         fail(f"bucket_cap_mb={cfg.bucket_cap_mb!r} must be > 0.")
     if not (cfg.collective_timeout_s > 0.0):
         fail(f"collective_timeout_s={cfg.collective_timeout_s!r} must be > 0.")
+
+
+class ScapeOptions(TypedDict, total=False):
+    """The :class:`ScapeConfig` fields, accepted as keyword arguments by both strategies."""
+
+    density: float
+    chunk_size: int
+    sharded: bool
+    dense_warmup_steps: int
+    mask_delay: int
+    mask_refresh_interval: int
+    mask_statistic: MaskStatistic
+    exploration: float
+    unmasked_update: UnmaskedUpdate
+    staleness_correction: bool
+    catch_up: bool
+    catch_up_cap: float
+    sparse_lr_scale: float
+    bucket_cap_mb: float
+    seed: int
+    collective_timeout_s: float
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ScapeConfig))
+
+
+def options_doc() -> str:
+    """The ``Args`` section of :class:`ScapeConfig`'s docstring, for the strategies' docstrings.
+
+    Each option's advice is written once, in :class:`ScapeConfig`; the strategies, which take the same
+    fields as keyword arguments, show the same text.
+    """
+    doc = ScapeConfig.__doc__ or ""
+    args = doc[doc.index("Args:") + len("Args:") :].rstrip()
+    return "\n    SCAPE options (keyword arguments; they override the fields of ``config``):\n" + args + "\n"

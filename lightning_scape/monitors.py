@@ -28,10 +28,10 @@ from torch import Tensor
 from torchmetrics import MaxMetric, MeanMetric, Metric, SumMetric
 from typing_extensions import override
 
-from lightning_scape import _wiring
 from lightning_scape.comm import KINDS
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.kernels import mask_positions
+from lightning_scape.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 
 
 class _Aggregates:
@@ -96,8 +96,8 @@ class _ScapeMonitor(Callback):
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
         """Fabric hook: record the step of the SCAPE optimizer that just stepped."""
-        opt = _wiring.unwrap_optimizer(optimizer)
-        if not isinstance(opt, _wiring.ScapeOptimizer):
+        opt = unwrap_optimizer(optimizer)
+        if not isinstance(opt, ScapeOptimizer):
             return
         if not self._names:
             for module in getattr(strategy, "scape_modules", []):
@@ -141,20 +141,20 @@ class _ScapeMonitor(Callback):
 
 
 def _engine_of(strategy: Any) -> ScapeEngine | None:
-    opts = list(_wiring.scape_optimizers(getattr(strategy, "optimizers", []) or []))
+    opts = list(scape_optimizers(getattr(strategy, "optimizers", []) or []))
     if not opts:
         opts = list(getattr(strategy, "scape_optimizers", []))
     return opts[-1].engine if opts else None
 
 
 class CommunicationMonitor(_ScapeMonitor):
-    """Bytes SCAPE sent and received per step, by kind, against what DDP would have sent, and wait time.
+    """Bytes SCAPE sent per step, by kind, against what DDP would have sent, and wait time.
 
     Keys (means per optimizer step over the logging window; bytes are per rank, as the ring formulas of
-    SCAPE_SPEC section 4 count them):
+    ``docs/algorithm.md`` section 5 counts them; a ring collective receives as much as it sends):
 
-    * ``comm/sent_bytes``, ``comm/received_bytes`` and, per kind (``values``, ``params``, ``indices``,
-      ``dense``, ``scalars``), ``comm/sent_bytes/<kind>``, ``comm/received_bytes/<kind>``;
+    * ``comm/sent_bytes`` and, per kind (``values``, ``params``, ``indices``, ``dense``, ``scalars``,
+      ``setup``), ``comm/sent_bytes/<kind>``;
     * ``comm/dense_equivalent_bytes``: what DDP's dense all-reduce of the same gradients would send;
     * ``comm/compression_ratio``: dense-equivalent over sent bytes of the window (also on the progress bar);
     * ``comm/wait_s`` (mean over steps and ranks) and ``comm/wait_s_max``: time blocked on collectives, i.e.
@@ -182,11 +182,9 @@ class CommunicationMonitor(_ScapeMonitor):
         dev = engine.buckets[0].params.device
         agg = self._agg
         agg.update("comm/sent_bytes", c.step_sent_bytes, device=dev)
-        agg.update("comm/received_bytes", sum(c.step_received.values()), device=dev)
         if self.per_kind:
             for kind in KINDS:
                 agg.update(f"comm/sent_bytes/{kind}", c.step_sent.get(kind, 0), device=dev)
-                agg.update(f"comm/received_bytes/{kind}", c.step_received.get(kind, 0), device=dev)
         agg.update("comm/dense_equivalent_bytes", c.step_dense_equivalent, device=dev)
         agg.update("comm/wait_s", c.step_wait_s, sync=True, device=dev)
         agg.update("comm/wait_s_max", c.step_wait_s, kind="max", sync=True, device=dev)

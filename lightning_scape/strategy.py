@@ -27,10 +27,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from lightning_scape import _wiring
-from lightning_scape._wiring import ScapeOptimizer, ScapeOptions
-from lightning_scape.config import ScapeConfig
+from lightning_scape import _wiring, checkpoints
+from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.optimizer import ScapeOptimizer, unwrap_optimizer
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
@@ -74,7 +74,7 @@ class ScapeStrategy(DDPStrategy):
         **options: Any :class:`~lightning_scape.ScapeConfig` field.
     """
 
-    __doc__ = (__doc__ or "") + _wiring.OPTIONS_DOC
+    __doc__ = (__doc__ or "") + options_doc()
 
     def __init__(
         self,
@@ -148,12 +148,8 @@ class ScapeStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Build the SCAPE engine for ``optimizer`` (its parameters become views of flat buffers)."""
         module = next((m for m in reversed(self._scape_modules) if _shares_params(m, optimizer)), None)
-        scape = _wiring.build_scape_optimizer(
-            optimizer,
-            self.scape_config,
-            module,
-            check_finite=_wiring.grad_scaler_of(self.precision) is not None,
-        )
+        scaler = _wiring.grad_scaler_of(self.precision)
+        scape = _wiring.build_scape_optimizer(optimizer, self.scape_config, module, scaler)
         self._scape_optimizers.append(scape)
         return scape
 
@@ -161,8 +157,7 @@ class ScapeStrategy(DDPStrategy):
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        """Tell the engine the fp16 loss scale (if any), then backward: buckets launch from the hooks."""
-        _wiring.set_grad_scale(self._scape_optimizers, _wiring.grad_scaler_of(self.precision))
+        """Backward: each bucket's collective launches from the hooks as soon as its gradients are complete."""
         try:
             super().backward(tensor, module, *args, **kwargs)
         except BaseException:
@@ -172,7 +167,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """The SCAPE step; with fp16 loss scaling the ``GradScaler`` learns whether it was skipped."""
-        opt = _wiring.unwrap_optimizer(optimizer)
+        opt = unwrap_optimizer(optimizer)
         scaler = _wiring.grad_scaler_of(self.precision)
         try:
             if scaler is None or not isinstance(opt, ScapeOptimizer):
@@ -221,7 +216,7 @@ class ScapeStrategy(DDPStrategy):
         self._scape_optimizer_of(optimizer).request_clip(clip_value=float(clip_val))
 
     def _scape_optimizer_of(self, optimizer: Any) -> ScapeOptimizer:
-        opt = _wiring.unwrap_optimizer(optimizer)
+        opt = unwrap_optimizer(optimizer)
         if not isinstance(opt, ScapeOptimizer):
             raise TypeError(
                 f"Expected the optimizer returned by fabric.setup (a ScapeOptimizer), got {type(opt).__name__}."
@@ -233,7 +228,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's full state for a SCAPE optimizer (``fabric.save`` splits it into stub and rank file)."""
-        opt = _wiring.unwrap_optimizer(optimizer)
+        opt = unwrap_optimizer(optimizer)
         if isinstance(opt, ScapeOptimizer):
             return opt.state_dict()
         return super().get_optimizer_state(optimizer)
@@ -247,16 +242,16 @@ class ScapeStrategy(DDPStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Rank 0 writes ``path`` (model, stubs, everything else); every rank writes its SCAPE file beside it."""
-        keys = [k for k, v in state.items() if isinstance(_wiring.unwrap_optimizer(v), ScapeOptimizer)]
+        keys = [k for k, v in state.items() if isinstance(unwrap_optimizer(v), ScapeOptimizer)]
         if not keys:
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             return
         converted = self._convert_stateful_objects_in_state(state, filter=(filter or {}))
-        save_id = _wiring.new_save_id(self.broadcast)
+        save_id = checkpoints.new_save_id(self.broadcast)
         full = {k: converted[k] for k in keys}
         for k in keys:
-            converted[k] = _wiring.make_stub(full[k], save_id)
-        _wiring.save_rank_states(
+            converted[k] = checkpoints.make_stub(full[k], save_id)
+        checkpoints.save_rank_states(
             self.checkpoint_io, path, self.global_rank, self.world_size, full, save_id, storage_options
         )
         self.barrier()
@@ -272,14 +267,14 @@ class ScapeStrategy(DDPStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Restore a checkpoint; everything is checked (files, configuration, shapes) before anything is loaded."""
-        if isinstance(state, Optimizer) and isinstance(_wiring.unwrap_optimizer(state), ScapeOptimizer):
+        if isinstance(state, Optimizer) and isinstance(unwrap_optimizer(state), ScapeOptimizer):
             raise TypeError(
                 "A SCAPE optimizer cannot load a raw optimizer file (fabric.load_raw): its state is per rank. "
                 "Save and load it with fabric.save / fabric.load and a state dict."
             )
         if not isinstance(state, dict) or not state:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        scape = {k: _wiring.unwrap_optimizer(v) for k, v in state.items()}
+        scape = {k: unwrap_optimizer(v) for k, v in state.items()}
         scape = {k: v for k, v in scape.items() if isinstance(v, ScapeOptimizer)}
         error: BaseException | None = None
         checkpoint: dict[str, Any] = {}
@@ -288,7 +283,7 @@ class ScapeStrategy(DDPStrategy):
             checkpoint, full = self._read_and_check(path, state, scape, strict, weights_only)
         except Exception as exc:
             error = exc
-        _wiring.agree(error, f"Loading checkpoint {os.fspath(path)!r}")
+        checkpoints.agree(error, f"Loading checkpoint {os.fspath(path)!r}")
         for name, obj in list(state.items()):
             if name not in checkpoint:
                 continue
@@ -312,8 +307,8 @@ class ScapeStrategy(DDPStrategy):
         weights_only: bool | None,
     ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """Read the checkpoint and this rank's SCAPE file and check that everything fits; loads nothing."""
-        checkpoint = _wiring.load_main_checkpoint(self.checkpoint_io, path, weights_only)
-        full = _wiring.load_rank_states(
+        checkpoint = checkpoints.load_main_checkpoint(self.checkpoint_io, path, weights_only)
+        full = checkpoints.load_rank_states(
             self.checkpoint_io,
             path,
             {k: checkpoint.get(k) for k in scape},
@@ -329,7 +324,7 @@ class ScapeStrategy(DDPStrategy):
                 raise ValueError(f"{where}, {k!r}: {exc} Nothing was loaded.") from exc
         for k, obj in state.items():
             if isinstance(obj, Module) and k in checkpoint:
-                _wiring.check_module_state(obj, checkpoint[k], strict, f"{where}, {k!r}")
+                checkpoints.check_module_state(obj, checkpoint[k], strict, f"{where}, {k!r}")
         missing = [k for k in state if k not in checkpoint]
         if strict and missing:
             raise KeyError(
@@ -351,14 +346,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
-        for name, start_method in (("scape", "popen"), ("scape_spawn", "spawn")):
-            _wiring.register(
-                strategy_registry,
-                name,
-                cls,
-                description=f"SCAPE sparse data parallelism with start_method={start_method!r}",
-                start_method=start_method,
-            )
+        _wiring.register_strategies(cls, strategy_registry)
 
 
 class _ScapeBackwardSyncControl(_BackwardSyncControl):

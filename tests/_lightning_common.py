@@ -120,15 +120,16 @@ def reference(
         net = make_net()
         opt = AdamS(param_groups(net), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        engine = ScapeEngine(opt, cfg, comm, param_order=list(net.parameters()))
         scale = fp16_scale
-        engine.check_finite = scale is not None
+        engine = ScapeEngine(
+            opt, cfg, comm, param_order=list(net.parameters()),
+            loss_scale=None if fp16_scale is None else (lambda: scale), skip_nonfinite=fp16_scale is not None,
+        )  # fmt: skip
         norms, skipped, trace = [], [], []
         batches = rank_batches(rank, world_size, epochs, shuffle)
         step = 0
         for i, (x, y) in enumerate(batches):
             last = (i + 1) % accumulate == 0 or i + 1 == len(batches)
-            engine.grad_scale = scale
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None, cache_enabled=False):
                 loss = torch.nn.functional.mse_loss(net(x), y)
             if inject_inf_at == step and rank == 1 and last:

@@ -55,7 +55,7 @@ def engine_snapshot(engine: Any) -> dict[str, Any]:
         "momentum": torch.cat([b["momentum"] for b in state["buckets"]]),
         "residual": torch.cat([b["residual"] for b in state["buckets"]]),
         "last_sent": torch.cat([b["last_sent"] for b in state["buckets"]]),
-        "masks": [[m[0] for m in b["masks"]] for b in state["buckets"]],
+        "masks": [list(b["masks"]) for b in state["buckets"]],
         "step_count": state["step_count"],
         "refresh_count": state["refresh_count"],
         "total_sent": state["counters"]["total_sent"],
@@ -114,7 +114,6 @@ class Recorder(pl.Callback):
         rec = {
             "global_step": trainer.global_step,
             "sent": dict(c.step_sent),
-            "received": dict(c.step_received),
             "dense_equivalent": c.step_dense_equivalent,
             "wait_s": c.step_wait_s,
             "total_sent": c.total_sent_bytes,

@@ -150,14 +150,14 @@ def test_sparse_adams_matches_ref(
     last = torch.randint(0, 12, (n,), generator=gen, dtype=torch.int32)
     gbar = (torch.randn(rows * k, generator=gen) * 0.1).to(dtype)
     mask = random_mask(rows, C, k, gen)
-    hyper: dict[str, Any] = dict(
-        step=13, lr=3e-3, lr_update=6e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, catch_up_cap=4.0
-    )
-    hyper.update(options)
+    hyper = K.AdamSHyper(
+        step=13, lr=3e-3, lr_update=6e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, catch_up_cap=4.0,
+        **options,
+    )  # fmt: skip
     m_ref, last_ref, out_ref = m.clone(), last.clone(), torch.empty(rows * k, dtype=dtype)
     out = torch.empty(rows * k, dtype=dtype)
-    K.sparse_adams_ref(param, m_ref, last_ref, gbar, mask, C, out_ref, **hyper)
-    K.sparse_adams_triton(param, m, last, gbar, mask, C, out, **hyper)
+    K.sparse_adams_ref(param, m_ref, last_ref, gbar, mask, C, out_ref, hyper)
+    K.sparse_adams_triton(param, m, last, gbar, mask, C, out, hyper)
     rtol, atol = _tol(dtype)
     torch.testing.assert_close(out, out_ref, rtol=rtol, atol=atol)
     torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-9)
@@ -176,12 +176,12 @@ def test_dense_adams_matches_ref(n: int, dtype: torch.dtype, with_grad: bool, lr
     param = torch.randn(n, generator=gen).to(dtype)
     m = torch.randn(n, generator=gen) * 0.01
     grad = torch.randn(n, generator=gen).to(dtype) if with_grad else None
-    hyper: dict[str, Any] = dict(
+    hyper = K.AdamSHyper(
         step=5, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bias_correction=True, lr_update=lr_update
     )
     p_ref, m_ref = param.clone(), m.clone()
-    K.dense_adams_ref(p_ref, m_ref, grad, **hyper)
-    K.dense_adams_triton(param, m, grad, **hyper)
+    K.dense_adams_ref(p_ref, m_ref, grad, hyper)
+    K.dense_adams_triton(param, m, grad, hyper)
     rtol, atol = _tol(dtype)
     torch.testing.assert_close(param, p_ref, rtol=rtol, atol=atol)
     torch.testing.assert_close(m, m_ref, rtol=1e-6, atol=1e-9)
@@ -190,12 +190,10 @@ def test_dense_adams_matches_ref(n: int, dtype: torch.dtype, with_grad: bool, lr
 def test_dense_adams_without_weight_decay_on_a_2d_parameter() -> None:
     gen = torch.Generator().manual_seed(0)
     param, m, grad = torch.randn(33, 31, generator=gen), torch.zeros(33, 31), torch.randn(33, 31, generator=gen)
-    hyper: dict[str, Any] = dict(
-        step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, bias_correction=False
-    )
+    hyper = K.AdamSHyper(step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, bias_correction=False)
     p_ref, m_ref = param.clone(), m.clone()
-    K.dense_adams_ref(p_ref, m_ref, grad, **hyper)
-    K.dense_adams_triton(param, m, grad, **hyper)
+    K.dense_adams_ref(p_ref, m_ref, grad, hyper)
+    K.dense_adams_triton(param, m, grad, hyper)
     torch.testing.assert_close(param, p_ref, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m, m_ref, rtol=0, atol=0)
 
@@ -335,20 +333,15 @@ def _all_ops(dtype: torch.dtype) -> None:
     n = rows * C
     p, g = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
     e, m = torch.randn(n, dtype=sdt), torch.randn(n, dtype=sdt)
-    mask = K.chunk_topk(K.mask_scores(m, e, 0.9, "momentum"), C, k, 1, 0)
+    mask = K.chunk_topk(K.mask_scores_ref(m, e, 0.9, "momentum"), C, k, 1, 0)
     K.select_mask(m, e, 0.9, "momentum", C, k, 1, 0)
     out = torch.empty(n // C * k, dtype=dtype)
     K.ef_compact(e, g, mask, C, out)
-    hyper: dict[str, Any] = dict(
-        step=2, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bias_correction=True
-    )
+    hyper = K.AdamSHyper(step=2, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, catch_up_cap=8.0)
     last = torch.zeros(n, dtype=torch.int32)
-    K.sparse_adams(
-        p, m, last, out, mask, C, out.clone(), lr_update=1e-3, staleness_correction=False, catch_up=False,
-        catch_up_cap=8.0, **hyper,
-    )  # fmt: skip
+    K.sparse_adams(p, m, last, out, mask, C, out.clone(), hyper)
     K.scatter_decay(p, out, mask, C, 0.99)
-    K.dense_adams(p, m, g, **hyper)
+    K.dense_adams(p, m, g, hyper)
 
 
 def test_cpu_tensors_run_the_refs_unless_triton_is_forced(
@@ -381,7 +374,7 @@ def test_force_ref_wins_over_force_triton(
 
 def test_non_contiguous_tensors_run_the_ref(spies: dict[str, int], force_triton: None) -> None:
     p, m, g = torch.randn(6, 4).t(), torch.zeros(6, 4).t(), torch.randn(6, 4).t()
-    K.dense_adams(p, m, g, step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, bias_correction=True)
+    K.dense_adams(p, m, g, K.AdamSHyper(step=1, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0))
     assert spies == {}
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_scape.kernels import (
+    AdamSHyper,
     chunk_topk_ref,
     dense_adams_ref,
     ef_compact_ref,
@@ -119,14 +120,7 @@ def test_sparse_adams_updates_only_the_slots_with_staleness_and_catch_up(stale: 
     gbar = torch.tensor([6.0], dtype=torch.float64)
     out = torch.empty(1, dtype=torch.float64)
     mask = torch.tensor([[1]], dtype=torch.int16)
-    sparse_adams_ref(
-        param,
-        m,
-        last,
-        gbar,
-        mask,
-        4,
-        out,
+    hyper = AdamSHyper(
         step=10,
         lr=0.1,
         lr_update=0.1,
@@ -139,6 +133,7 @@ def test_sparse_adams_updates_only_the_slots_with_staleness_and_catch_up(stale: 
         catch_up=catch,
         catch_up_cap=4.0,
     )
+    sparse_adams_ref(param, m, last, gbar, mask, 4, out, hyper)
     theta, m_new = _hand_adams(2.0, -0.5, 6.0, t=10, tau=6, stale=stale, catch=catch, cap=4.0)
     assert out.item() == pytest.approx(theta, rel=1e-12)
     assert m.tolist() == pytest.approx([0.5, m_new, 0.25, 0.0], rel=1e-12)
@@ -149,9 +144,8 @@ def test_sparse_adams_updates_only_the_slots_with_staleness_and_catch_up(stale: 
 def test_dense_adams_with_no_gradient_moves_along_the_momentum() -> None:
     p = torch.tensor([1.0], dtype=torch.float64)
     m = torch.tensor([0.2], dtype=torch.float64)
-    dense_adams_ref(
-        p, m, None, step=100, lr=0.1, beta1=0.9, beta2=0.95, eps=0.0, weight_decay=0.0, bias_correction=False
-    )
+    hyper = AdamSHyper(step=100, lr=0.1, beta1=0.9, beta2=0.95, eps=0.0, weight_decay=0.0, bias_correction=False)
+    dense_adams_ref(p, m, None, hyper)
     # nu = 0.95 * 0.04, m = 0.18, step = 0.1 * 0.18 / sqrt(0.038)
     assert m.item() == pytest.approx(0.18)
     assert p.item() == pytest.approx(1.0 - 0.1 * 0.18 / math.sqrt(0.95 * 0.04))

@@ -1,5 +1,5 @@
-"""In-process tests of what both strategies share (``lightning_scape/_wiring.py``) and the engine support
-they use (fp16 unscaling and skipping, the early global norm, state checks). No process group needed."""
+"""In-process tests of what both strategies share (``_wiring``, ``optimizer``, ``checkpoints``) and the engine
+support they use (fp16 unscaling and skipping, the early global norm, state checks). No process group needed."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_scape
-from lightning_scape import AdamS, ScapeConfig, ScapeEngine, ScapeOptimizer, simulate
+from lightning_scape import AdamS, ScapeConfig, ScapeEngine, ScapeOptimizer, checkpoints, simulate
 from lightning_scape import _wiring as wiring
 from lightning_scape.comm import Communicator
+from lightning_scape.config import OPTION_NAMES, ScapeOptions
+from lightning_scape.optimizer import to_adams
 
 CFG = ScapeConfig(density=0.1, chunk_size=64, dense_warmup_steps=2, bucket_cap_mb=0.004)
 
@@ -42,7 +44,7 @@ def test_strategy_options_become_one_validated_config(cls: Any) -> None:
 
 
 def test_option_names_are_the_config_fields() -> None:
-    assert set(wiring.ScapeOptions.__annotations__) == set(wiring.SCAPE_OPTION_NAMES)
+    assert set(ScapeOptions.__annotations__) == set(OPTION_NAMES)
 
 
 def test_registered_with_fabric_and_trainer_idempotently() -> None:
@@ -67,7 +69,7 @@ def test_registered_with_fabric_and_trainer_idempotently() -> None:
 def test_adamw_becomes_adams_sharing_its_param_groups() -> None:
     net = make_net()
     adamw = torch.optim.AdamW(param_groups(net), lr=0.02, betas=(0.8, 0.9), eps=1e-6)
-    adams = wiring.to_adams(adamw)
+    adams = to_adams(adamw)
     assert isinstance(adams, AdamS)
     assert all(a is b for a, b in zip(adams.param_groups, adamw.param_groups, strict=True))
     assert adams.param_groups[1]["lr"] == 0.01 and adams.param_groups[0]["betas"] == (0.8, 0.9)
@@ -75,23 +77,23 @@ def test_adamw_becomes_adams_sharing_its_param_groups() -> None:
     adamw.param_groups[0]["lr"] = 0.5  # what an LR scheduler does
     assert adams.param_groups[0]["lr"] == 0.5
     same = AdamS(net.parameters())
-    assert wiring.to_adams(same) is same
+    assert to_adams(same) is same
 
 
 def test_unsupported_optimizers_are_refused_with_the_alternatives() -> None:
     net = make_net()
     with pytest.raises(TypeError, match=r"AdamW and torch.optim.Adam .*got torch.optim.sgd.SGD"):
-        wiring.to_adams(torch.optim.SGD(net.parameters(), lr=0.1))
+        to_adams(torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="amsgrad=True"):
-        wiring.to_adams(torch.optim.AdamW(net.parameters(), amsgrad=True))
+        to_adams(torch.optim.AdamW(net.parameters(), amsgrad=True))
     stepped = torch.optim.AdamW(net.parameters())
     for p in net.parameters():
         p.grad = torch.ones_like(p)
     stepped.step()
     with pytest.raises(ValueError, match="already holds optimizer state"):
-        wiring.to_adams(stepped)
+        to_adams(stepped)
     with pytest.warns(UserWarning, match="L2 term"):
-        wiring.to_adams(torch.optim.Adam(make_net().parameters(), weight_decay=0.1))
+        to_adams(torch.optim.Adam(make_net().parameters(), weight_decay=0.1))
 
 
 def _batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +114,7 @@ def test_scape_optimizer_steps_saves_and_resumes_exactly_in_one_process() -> Non
         net = make_net()
         adamw = torch.optim.AdamW(param_groups(net), lr=0.02)
         sched = torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: 1 / (1 + s))
-        return net, wiring.build_scape_optimizer(adamw, CFG, net, check_finite=False), sched
+        return net, wiring.build_scape_optimizer(adamw, CFG, net, None), sched
 
     net, opt, sched = fresh()
     with warnings.catch_warnings():
@@ -140,7 +142,7 @@ def test_scape_optimizer_steps_saves_and_resumes_exactly_in_one_process() -> Non
 
 def test_a_state_that_does_not_fit_changes_nothing() -> None:
     net = make_net()
-    opt = wiring.build_scape_optimizer(AdamS(param_groups(net), lr=0.01), CFG, net, check_finite=False)
+    opt = wiring.build_scape_optimizer(AdamS(param_groups(net), lr=0.01), CFG, net, None)
     _train(opt, net, torch.optim.lr_scheduler.LambdaLR(opt.adams, lambda s: 1.0), range(4))
     good = opt.state_dict()
     momentum = [bs.momentum.clone() for bs in opt.engine.buckets]
@@ -165,36 +167,36 @@ def test_a_state_that_does_not_fit_changes_nothing() -> None:
 def test_rank_files_are_tied_to_their_checkpoint(tmp_path: Any) -> None:
     io = TorchCheckpointIO()
     net = make_net()
-    opt = wiring.build_scape_optimizer(AdamS(net.parameters(), lr=0.01), CFG, net, check_finite=False)
+    opt = wiring.build_scape_optimizer(AdamS(net.parameters(), lr=0.01), CFG, net, None)
     full = opt.state_dict()
     path = str(tmp_path / "model.ckpt")
-    stub = wiring.make_stub(full, "id-1")
+    stub = checkpoints.make_stub(full, "id-1")
     io.save_checkpoint({"optimizer": stub}, path)
-    wiring.save_rank_states(io, path, 0, 1, {"optimizer": full}, "id-1")
+    checkpoints.save_rank_states(io, path, 0, 1, {"optimizer": full}, "id-1")
     assert os.path.isfile(tmp_path / "model.ckpt.scape" / "rank-00000.pt")
-    loaded = wiring.load_rank_states(io, path, {"optimizer": stub}, 0, 1)
+    loaded = checkpoints.load_rank_states(io, path, {"optimizer": stub}, 0, 1)
     opt.check_state_dict(loaded["optimizer"])
     with pytest.raises(ValueError, match="written by 1 ranks, but this run has 2"):
-        wiring.load_rank_states(io, path, {"optimizer": stub}, 0, 2)
+        checkpoints.load_rank_states(io, path, {"optimizer": stub}, 0, 2)
     with pytest.raises(ValueError, match="does not belong"):
-        wiring.load_rank_states(io, path, {"optimizer": wiring.make_stub(full, "id-2")}, 0, 1)
+        checkpoints.load_rank_states(io, path, {"optimizer": checkpoints.make_stub(full, "id-2")}, 0, 1)
     with pytest.raises(FileNotFoundError, match=r"rank 1 is missing.*\.scape"):
-        wiring.load_rank_states(io, path, {"optimizer": stub}, 1, 1)
+        checkpoints.load_rank_states(io, path, {"optimizer": stub}, 1, 1)
     with pytest.raises(ValueError, match="not written by a SCAPE strategy"):
-        wiring.load_rank_states(io, path, {"optimizer": {"state": {}, "param_groups": []}}, 0, 1)
+        checkpoints.load_rank_states(io, path, {"optimizer": {"state": {}, "param_groups": []}}, 0, 1)
     with open(path, "r+b") as f:
         f.truncate(100)
     with pytest.raises(RuntimeError, match="truncated or corrupt"):
-        wiring.load_main_checkpoint(io, path, weights_only=None)
+        checkpoints.load_main_checkpoint(io, path, weights_only=None)
     # A pickled object (a plain DataLoader in the saved state) is not corruption: the error names the class.
     pickled = str(tmp_path / "pickled.ckpt")
     io.save_checkpoint({"loader": torch.utils.data.DataLoader([1, 2])}, pickled)
     with pytest.raises(RuntimeError, match=r"refuses \(torch\.utils\.data\.dataloader\.DataLoader\)"):
-        wiring.load_main_checkpoint(io, pickled, weights_only=None)
-    wiring.remove_rank_states(io, path, 0, is_global_zero=True)
+        checkpoints.load_main_checkpoint(io, pickled, weights_only=None)
+    checkpoints.remove_rank_states(io, path, 0, is_global_zero=True)
     assert not os.path.exists(tmp_path / "model.ckpt.scape")
     with pytest.raises(ValueError, match="shape mismatch"):
-        wiring.check_module_state(make_net(), {**make_net().state_dict(), "0.bias": torch.zeros(3)}, True, "ckpt")
+        checkpoints.check_module_state(make_net(), {**make_net().state_dict(), "0.bias": torch.zeros(3)}, True, "ckpt")
 
 
 # --------------------------------------------------------------------------------- engine support
@@ -205,8 +207,10 @@ def _engine_run(
     inject: int | None = None, early_norm: bool = False, max_norm: float | None = None,
 ) -> dict[str, Any]:
     net = make_net()
-    engine = ScapeEngine(AdamS(param_groups(net), lr=0.01), CFG, comm, param_order=list(net.parameters()))
-    engine.check_finite = check_finite
+    engine = ScapeEngine(
+        AdamS(param_groups(net), lr=0.01), CFG, comm, param_order=list(net.parameters()),
+        loss_scale=None if scale is None else (lambda: scale), skip_nonfinite=check_finite,
+    )  # fmt: skip
     out: dict[str, Any] = {"skipped": [], "norms": [], "states": []}
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -214,7 +218,6 @@ def _engine_run(
         loss = torch.nn.functional.mse_loss(net(x), y)
         if inject == step and rank == 1:
             loss = loss * float("inf")
-        engine.grad_scale = scale
         (loss * (scale or 1.0)).backward()
         if early_norm:
             out["norms"].append(engine.global_grad_norm())

@@ -23,15 +23,14 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from lightning_scape import _wiring
-from lightning_scape._wiring import ScapeOptimizer, ScapeOptions
-from lightning_scape.config import ScapeConfig
+from lightning_scape import _wiring, checkpoints
+from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 
 
 class ScapeStrategy(DDPStrategy):
@@ -74,7 +73,7 @@ class ScapeStrategy(DDPStrategy):
         **options: Any :class:`~lightning_scape.ScapeConfig` field.
     """
 
-    __doc__ = (__doc__ or "") + _wiring.OPTIONS_DOC
+    __doc__ = (__doc__ or "") + options_doc()
 
     def __init__(
         self,
@@ -106,7 +105,7 @@ class ScapeStrategy(DDPStrategy):
     @property
     def scape_optimizers(self) -> list[ScapeOptimizer]:
         """The SCAPE optimizers of the current fit (normally one)."""
-        return list(_wiring.scape_optimizers(self.optimizers))
+        return list(scape_optimizers(self.optimizers))
 
     @property
     def engine(self) -> ScapeEngine:
@@ -147,12 +146,8 @@ class ScapeStrategy(DDPStrategy):
                 "Put all parameters in param groups of one AdamS / AdamW."
             )
         assert self.model is not None
-        scape = _wiring.build_scape_optimizer(
-            self.optimizers[0],
-            self.scape_config,
-            self.model,
-            check_finite=_wiring.grad_scaler_of(self.precision_plugin) is not None,
-        )
+        scaler = _wiring.grad_scaler_of(self.precision_plugin)
+        scape = _wiring.build_scape_optimizer(self.optimizers[0], self.scape_config, self.model, scaler)
         self.optimizers = [scape]
 
     # ----------------------------------------------------------------------------------------- a step
@@ -169,11 +164,6 @@ class ScapeStrategy(DDPStrategy):
             yield None
 
     @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        """Tell the engine the fp16 loss scale (if any) of the coming backward pass."""
-        _wiring.set_grad_scale(self.scape_optimizers, _wiring.grad_scaler_of(self.precision_plugin))
-
-    @override
     def optimizer_step(
         self,
         optimizer: Optimizer,
@@ -182,7 +172,7 @@ class ScapeStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         """The SCAPE step (clipping requests from ``gradient_clip_val`` apply to the synchronised gradient)."""
-        opt = _wiring.unwrap_optimizer(optimizer)
+        opt = unwrap_optimizer(optimizer)
         scaler = _wiring.grad_scaler_of(self.precision_plugin)
         if scaler is None or not isinstance(opt, ScapeOptimizer):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -206,7 +196,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's full state for a SCAPE optimizer (the checkpoint splits it into stub and rank file)."""
-        opt = _wiring.unwrap_optimizer(optimizer)
+        opt = unwrap_optimizer(optimizer)
         if isinstance(opt, ScapeOptimizer):
             return opt.state_dict()
         return super().optimizer_state(optimizer)
@@ -217,16 +207,16 @@ class ScapeStrategy(DDPStrategy):
     ) -> None:
         """Every rank writes its SCAPE state beside ``filepath``; rank 0 then writes ``filepath`` itself."""
         states = checkpoint.get("optimizer_states")
-        if not states or not any(_wiring.is_scape_state(s) for s in states):
+        if not states or not any(checkpoints.is_scape_state(s) for s in states):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        save_id = _wiring.new_save_id(self.broadcast)
-        full = {f"optimizer_states.{i}": s for i, s in enumerate(states) if _wiring.is_scape_state(s)}
+        save_id = checkpoints.new_save_id(self.broadcast)
+        full = {f"optimizer_states.{i}": s for i, s in enumerate(states) if checkpoints.is_scape_state(s)}
         checkpoint = dict(checkpoint)
         checkpoint["optimizer_states"] = [
-            _wiring.make_stub(s, save_id) if _wiring.is_scape_state(s) else s for s in states
+            checkpoints.make_stub(s, save_id) if checkpoints.is_scape_state(s) else s for s in states
         ]
-        _wiring.save_rank_states(
+        checkpoints.save_rank_states(
             self.checkpoint_io, filepath, self.global_rank, self.world_size, full, save_id, storage_options
         )
         self.barrier("scape_save_checkpoint")
@@ -235,7 +225,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove the checkpoint file (rank 0) and every rank's SCAPE file."""
-        _wiring.remove_rank_states(self.checkpoint_io, filepath, self.global_rank, self.is_global_zero)
+        checkpoints.remove_rank_states(self.checkpoint_io, filepath, self.global_rank, self.is_global_zero)
         super().remove_checkpoint(filepath)
 
     @override
@@ -250,11 +240,11 @@ class ScapeStrategy(DDPStrategy):
             checkpoint = self._read_and_check(checkpoint_path, weights_only)
         except Exception as exc:
             error = exc
-        _wiring.agree(error, f"Loading checkpoint {os.fspath(checkpoint_path)!r}")
+        checkpoints.agree(error, f"Loading checkpoint {os.fspath(checkpoint_path)!r}")
         return checkpoint
 
     def _read_and_check(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
-        checkpoint = _wiring.load_main_checkpoint(self.checkpoint_io, checkpoint_path, weights_only)
+        checkpoint = checkpoints.load_main_checkpoint(self.checkpoint_io, checkpoint_path, weights_only)
         opts = self.scape_optimizers
         states = checkpoint.get("optimizer_states")
         if not opts or states is None:  # not fitting (validate/test/predict), or a weights-only checkpoint
@@ -263,7 +253,7 @@ class ScapeStrategy(DDPStrategy):
         if len(states) != len(opts):
             raise ValueError(f"{where} has {len(states)} optimizer states, this run {len(opts)}. Nothing was loaded.")
         keys = [f"optimizer_states.{i}" for i in range(len(states))]
-        full = _wiring.load_rank_states(
+        full = checkpoints.load_rank_states(
             self.checkpoint_io,
             checkpoint_path,
             dict(zip(keys, states, strict=True)),
@@ -278,7 +268,7 @@ class ScapeStrategy(DDPStrategy):
                 raise ValueError(f"{where}: {exc} Nothing was loaded.") from exc
         module = self.lightning_module
         if module is not None and "state_dict" in checkpoint:
-            _wiring.check_module_state(module, checkpoint["state_dict"], module.strict_loading, where)
+            checkpoints.check_module_state(module, checkpoint["state_dict"], module.strict_loading, where)
         checkpoint["optimizer_states"] = [full[k] for k in keys]
         return checkpoint
 
@@ -302,14 +292,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
-        for name, start_method in (("scape", "popen"), ("scape_spawn", "spawn")):
-            _wiring.register(
-                strategy_registry,
-                name,
-                cls,
-                description=f"SCAPE sparse data parallelism with start_method={start_method!r}",
-                start_method=start_method,
-            )
+        _wiring.register_strategies(cls, strategy_registry)
 
 
 def _scape_clip_gradients(
@@ -321,7 +304,7 @@ def _scape_clip_gradients(
     """``Precision.clip_gradients`` for SCAPE: record the request; the engine clips the synchronised values."""
     if clip_val <= 0:
         return
-    opt = _wiring.unwrap_optimizer(optimizer)
+    opt = unwrap_optimizer(optimizer)
     if not isinstance(opt, ScapeOptimizer):
         raise TypeError(f"ScapeStrategy can only clip its own optimizer, got {type(opt).__name__}.")
     if GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.VALUE:

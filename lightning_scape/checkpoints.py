@@ -1,0 +1,245 @@
+"""SCAPE checkpoints on disk: the main file (model, stubs) and every rank's own SCAPE file beside it.
+
+A SCAPE optimizer's state is per rank (momentum shard, unsent-gradient residual, masks), so a checkpoint is
+two things: the main file, written by rank 0, which holds the model (replicated) and for each SCAPE
+optimizer a small stub (hyperparameters, world size, configuration, a save id), and
+``<checkpoint>.scape/rank-XXXXX.pt``, written by each rank, which holds that rank's full optimizer states.
+The save id ties the rank files to their main file. Loading reads and checks everything before anything
+is loaded, and all ranks agree on the outcome (:func:`agree`), so no rank goes on alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch import Tensor
+from torch.nn import Module
+
+CHECKPOINT_FORMAT = 1
+_STUB_KEY = "scape_checkpoint"
+_RANK_KEY = "scape_rank_state"
+
+
+def rank_state_dir(path: str | os.PathLike[str]) -> str:
+    """The directory beside checkpoint ``path`` that holds the per-rank SCAPE files."""
+    p = os.fspath(path)
+    if "://" not in p and os.path.islink(p):  # e.g. ModelCheckpoint(save_last="link"): follow to the real file
+        p = os.path.realpath(p)
+    return p.rstrip("/") + ".scape"
+
+
+def rank_state_path(path: str | os.PathLike[str], rank: int) -> str:
+    """This rank's SCAPE file of checkpoint ``path``."""
+    return f"{rank_state_dir(path)}/rank-{rank:05d}.pt"
+
+
+def is_scape_state(obj: Any) -> bool:
+    """Whether ``obj`` is a full :meth:`ScapeOptimizer.state_dict`."""
+    return isinstance(obj, dict) and "scape" in obj and "param_groups" in obj
+
+
+def is_scape_stub(obj: Any) -> bool:
+    """Whether ``obj`` is the stub a SCAPE strategy writes into the main checkpoint file."""
+    return isinstance(obj, dict) and _STUB_KEY in obj
+
+
+def new_save_id(broadcast: Callable[[str], str]) -> str:
+    """An id shared by all ranks that ties a main checkpoint file to its rank files."""
+    return broadcast(uuid.uuid4().hex)
+
+
+def make_stub(state: dict[str, Any], save_id: str) -> dict[str, Any]:
+    """What the main file keeps of a full optimizer state: hyperparameters and where the rest lives."""
+    scape = state["scape"]
+    return {
+        _STUB_KEY: {
+            "format": CHECKPOINT_FORMAT,
+            "save_id": save_id,
+            "world_size": scape["world_size"],
+            "config": scape["config"],
+            "step_count": scape["step_count"],
+            "rank_files": "<checkpoint>.scape/rank-XXXXX.pt",
+        },
+        "state": {},
+        "param_groups": state["param_groups"],
+    }
+
+
+def save_rank_states(
+    io: CheckpointIO,
+    path: str | os.PathLike[str],
+    rank: int,
+    world_size: int,
+    states: dict[str, dict[str, Any]],
+    save_id: str,
+    storage_options: Any = None,
+) -> None:
+    """Write this rank's full optimizer states (keyed by where their stubs sit in the main file)."""
+    payload = {
+        _RANK_KEY: {
+            "format": CHECKPOINT_FORMAT,
+            "save_id": save_id,
+            "rank": rank,
+            "world_size": world_size,
+            "optimizers": states,
+        }
+    }
+    io.save_checkpoint(payload, rank_state_path(path, rank), storage_options=storage_options)
+
+
+def load_main_checkpoint(io: CheckpointIO, path: str | os.PathLike[str], weights_only: bool | None) -> dict[str, Any]:
+    """Read a checkpoint file, turning a truncated or corrupt file into an error that says so."""
+    try:
+        checkpoint = io.load_checkpoint(os.fspath(path), weights_only=weights_only)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as exc:
+        if "weights only" not in str(exc).lower():
+            raise RuntimeError(
+                f"Checkpoint {os.fspath(path)!r} cannot be read ({exc}). It is probably truncated or corrupt (a run "
+                "killed while saving?); resume from an earlier checkpoint. Nothing was loaded."
+            ) from exc
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = found.group(1) if found else "not a tensor or a plain container"
+        raise RuntimeError(
+            f"Checkpoint {os.fspath(path)!r} holds a pickled Python object that torch.load(weights_only=True) "
+            f"refuses ({what}). Save only tensors and state dicts (an "
+            "object with state_dict()/load_state_dict() is stored as its state dict), or, if you trust the file, "
+            "load it with weights_only=False. Nothing was loaded."
+        ) from exc
+    except Exception as exc:
+        raise RuntimeError(
+            f"Checkpoint {os.fspath(path)!r} cannot be read ({type(exc).__name__}: {exc}). It is probably truncated "
+            "or corrupt (a run killed while saving?); resume from an earlier checkpoint. Nothing was loaded."
+        ) from exc
+    if not isinstance(checkpoint, dict):
+        raise RuntimeError(f"Checkpoint {os.fspath(path)!r} holds a {type(checkpoint).__name__}, not a dict.")
+    return checkpoint
+
+
+def load_rank_states(
+    io: CheckpointIO,
+    path: str | os.PathLike[str],
+    stubs: dict[str, Any],
+    rank: int,
+    world_size: int,
+    weights_only: bool | None = None,
+) -> dict[str, dict[str, Any]]:
+    """This rank's full optimizer states for the given stubs, checked to belong to the same checkpoint.
+
+    Args:
+        io: The strategy's checkpoint IO.
+        path: The main checkpoint file.
+        stubs: Per key, what the main file holds for a SCAPE optimizer (its stub).
+        rank: This rank.
+        world_size: The current world size.
+        weights_only: Passed on to the checkpoint IO.
+
+    Returns:
+        Per key, the full optimizer state to load.
+    """
+    where = os.fspath(path)
+    for key, stub in stubs.items():
+        if not is_scape_stub(stub):
+            found = "nothing" if stub is None else f"a {type(stub).__name__} without SCAPE state"
+            raise ValueError(
+                f"Checkpoint {where!r} holds {found} for {key!r}: it was not written by a SCAPE strategy, so it "
+                "has no momentum, residual or masks to resume from. To start SCAPE from its weights, load only "
+                "the model weights (e.g. model.load_state_dict(...)) and train without ckpt_path."
+            )
+        meta = stub[_STUB_KEY]
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"Checkpoint {where!r} uses SCAPE checkpoint format {meta.get('format')!r}; this "
+                             f"version reads {CHECKPOINT_FORMAT}.")
+        if meta["world_size"] != world_size:
+            raise ValueError(
+                f"Checkpoint {where!r} was written by {meta['world_size']} ranks, but this run has {world_size}. "
+                "SCAPE's state is per rank (momentum shards, each rank's unsent-gradient residual) and is not "
+                f"re-sharded: resume with {meta['world_size']} processes in total (devices x num_nodes). "
+                "Nothing was loaded."
+            )
+    if not stubs:
+        return {}
+    ids = {stub[_STUB_KEY]["save_id"] for stub in stubs.values()}
+    file = rank_state_path(path, rank)
+    try:
+        payload = io.load_checkpoint(file, weights_only=weights_only)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(
+            f"SCAPE state of rank {rank} is missing: expected {file!r}. A SCAPE checkpoint is the file {where!r} plus "
+            "the directory beside it ending in '.scape'; copy both. Nothing was loaded."
+        ) from exc
+    except Exception as exc:
+        raise RuntimeError(
+            f"SCAPE state of rank {rank} ({file!r}) cannot be read ({type(exc).__name__}: {exc}). It is probably "
+            "truncated or corrupt; resume from an earlier checkpoint. Nothing was loaded."
+        ) from exc
+    meta = payload.get(_RANK_KEY) if isinstance(payload, dict) else None
+    if not isinstance(meta, dict) or meta.get("save_id") not in ids or meta.get("rank") != rank:
+        raise ValueError(
+            f"{file!r} does not belong to checkpoint {where!r} (it was written by another save or another rank). "
+            "Copy the checkpoint file and its '.scape' directory together. Nothing was loaded."
+        )
+    missing = sorted(set(stubs) - set(meta["optimizers"]))
+    if missing:
+        raise ValueError(f"{file!r} has no SCAPE state for {missing}. Nothing was loaded.")
+    return {k: meta["optimizers"][k] for k in stubs}
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """Raise on every rank if ``what`` failed on any rank, so that no rank goes on alone (and hangs).
+
+    Args:
+        error: This rank's failure, or None.
+        what: The operation, for the message of the ranks that did not fail themselves.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [r for r, m in enumerate(messages) if m is not None]
+    if failed:
+        raise RuntimeError(
+            f"{what} failed on rank {', '.join(map(str, failed))}: {messages[failed[0]]}\nThis rank stops too; "
+            "nothing was loaded."
+        )
+
+
+def remove_rank_states(io: CheckpointIO, path: str | os.PathLike[str], rank: int, is_global_zero: bool) -> None:
+    """Delete this rank's SCAPE file of checkpoint ``path`` (rank 0 also removes the directory)."""
+    targets = [rank_state_path(path, rank)] + ([rank_state_dir(path)] if is_global_zero else [])
+    for target in targets:
+        # Another rank may have removed it first, or it was never written.
+        with contextlib.suppress(FileNotFoundError, OSError):
+            io.remove_checkpoint(target)
+
+
+def check_module_state(module: Module, state: Any, strict: bool, where: str) -> None:
+    """Raise before anything is loaded when ``state`` does not fit ``module`` (keys or shapes)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{where}: expected a model state dict, found {type(state).__name__}.")
+    own = module.state_dict()
+    wrong = [
+        f"{k}: saved {tuple(v.shape)}, model {tuple(own[k].shape)}"
+        for k, v in state.items()
+        if k in own and isinstance(v, Tensor) and v.shape != own[k].shape
+    ]
+    missing = [k for k in own if k not in state] if strict else []
+    unexpected = [k for k in state if k not in own] if strict else []
+    if wrong or missing or unexpected:
+        raise ValueError(
+            f"{where} does not fit the model (shape mismatch {wrong[:5]}, missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}): it comes from another model configuration. Nothing was loaded."
+        )

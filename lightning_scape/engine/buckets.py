@@ -1,0 +1,96 @@
+"""A bucket's tensors: the flat buffers behind the model's parameters and gradients, and SCAPE's state.
+
+Rank and mode are fixed when the bucket is built. Sharded mode: this rank updates its shard (the
+*region* is the shard) and keeps momentum and last-sent steps only there. Replicated mode: every rank
+updates the whole bucket (the region is the bucket). The residual always covers the whole bucket: every
+rank keeps its own unsent gradient for every coordinate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_scape.adams import state_dtype_for
+from lightning_scape.config import ScapeConfig
+from lightning_scape.layout import Bucket
+
+
+class BucketState:
+    """The tensors of one bucket on this rank.
+
+    Attributes:
+        layout: The bucket's geometry (:class:`~lightning_scape.layout.Bucket`).
+        params: ``[padded_numel]`` flat parameters; the model's parameters are views into it.
+        grads: ``[padded_numel]`` flat gradients; the parameters' ``.grad`` are views into it.
+        residual: ``[padded_numel]`` error-feedback residual e (state dtype): this rank's unsent gradient.
+        momentum: ``[region_numel]`` AdamS first moment of the region (state dtype).
+        last_sent: ``[region_numel]`` int32 step at which each coordinate of the region was last sent.
+        values: ``[slots]`` this rank's compact buffer of sent values. Replicated mode all-reduces it in
+            place, so after the collective it holds the sums.
+        received: ``[region_slots]`` sharded mode's reduce-scatter output: the sums of this rank's slots.
+        updated: ``[region_slots]`` new parameter values at the region's slots.
+        gathered: ``[slots]`` sharded mode's all-gather output: every owner's new values.
+        dense_shard: Sharded warm-up's reduce-scatter output (this rank's shard of the summed gradient), also
+            the parameter all-gather's send buffer; allocated at the first warm-up step, freed after the last.
+    """
+
+    def __init__(self, layout: Bucket, config: ScapeConfig, rank: int) -> None:
+        self.layout = layout
+        self.sharded = config.sharded
+        dev, dt = layout.device, layout.dtype
+        sdt = state_dtype_for(dt)
+        P, S, C = layout.padded_numel, layout.shard_numel, layout.chunk_size
+        self.shard = slice(rank * S, (rank + 1) * S)
+        self.region = self.shard if self.sharded else slice(0, P)
+        region_numel = self.region.stop - self.region.start
+        self.params = torch.zeros(P, dtype=dt, device=dev)
+        self.grads = torch.zeros(P, dtype=dt, device=dev)
+        self.residual = torch.zeros(P, dtype=sdt, device=dev)
+        self.momentum = torch.zeros(region_numel, dtype=sdt, device=dev)
+        self.last_sent = torch.zeros(region_numel, dtype=torch.int32, device=dev)
+        k = config.slots_per_chunk
+        self.slots = layout.chunks * k  # all ranks' slots of this bucket (its d N)
+        self.region_slots = region_numel // C * k
+        self.values = torch.zeros(self.slots, dtype=dt, device=dev)
+        self.received = torch.zeros(self.region_slots, dtype=dt, device=dev) if self.sharded else None
+        self.updated = torch.zeros(self.region_slots, dtype=dt, device=dev)
+        self.gathered = torch.zeros(self.slots, dtype=dt, device=dev) if self.sharded else None
+        self.dense_shard: Tensor | None = None
+
+    @property
+    def region_params(self) -> Tensor:
+        """The parameters this rank updates (a view)."""
+        return self.params[self.region]
+
+    @property
+    def region_residual(self) -> Tensor:
+        """The residual on the region (a view)."""
+        return self.residual[self.region]
+
+    def shard_of_region(self, region_tensor: Tensor) -> Tensor:
+        """The part of a region-sized tensor that lies in this rank's shard (what mask generation scores)."""
+        start = self.shard.start - self.region.start
+        return region_tensor[start : start + self.layout.shard_numel]
+
+    def region_rows(self, mask: Tensor) -> Tensor:
+        """The rows of a whole-bucket mask that address the region's chunks."""
+        C = self.layout.chunk_size
+        return mask[self.region.start // C : self.region.stop // C]
+
+    def dense_synced(self) -> Tensor:
+        """Where a warm-up step's summed gradient lands: the reduce-scatter output (sharded), else in place."""
+        if self.sharded:
+            if self.dense_shard is None:
+                layout = self.layout
+                self.dense_shard = torch.empty(layout.shard_numel, dtype=layout.dtype, device=self.grads.device)
+            return self.dense_shard
+        return self.grads
+
+    def sparse_synced(self) -> Tensor:
+        """Where a sparse step's summed values land: the reduce-scatter output (sharded), else in place."""
+        return self.received if self.received is not None else self.values
+
+    def scatter_source(self) -> Tensor:
+        """The new values every rank writes at the mask: all owners' (sharded), else this rank's own."""
+        return self.gathered if self.gathered is not None else self.updated

@@ -1,0 +1,40 @@
+"""Error feedback: what a sparse step sends, and the residual that keeps everything it did not send.
+
+``a = e + g``; the compact buffer takes ``v = a[mask]`` (cast to the communication dtype) and the residual
+becomes ``e = a`` with ``e[mask] = a[mask] - v``: the unsent gradient whole, and at the sent coordinates only
+the rounding error of the cast. For every coordinate, the local gradient summed over all steps equals what
+was sent plus the residual, exactly.
+
+A step that may still be skipped (fp16 loss scaling: a rank saw inf/nan) is split in two: :func:`stage`
+fills the compact buffer without touching the residual, and :func:`commit` applies the residual's half once
+every rank agreed that the step is finite. Both halves together equal :func:`compact`, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_scape import kernels
+from lightning_scape.engine.buckets import BucketState
+
+
+def compact(bucket: BucketState, mask: Tensor) -> None:
+    """Error feedback and compaction in one pass (``kernels.ef_compact``): fills ``values``, updates ``residual``."""
+    kernels.ef_compact(bucket.residual, bucket.grads, mask, bucket.layout.chunk_size, bucket.values)
+
+
+def stage(bucket: BucketState, mask: Tensor) -> None:
+    """Fill ``values`` with ``(e + g)[mask]`` and leave the residual untouched (the same values as :func:`compact`)."""
+    pos = kernels.mask_positions(mask, bucket.layout.chunk_size)
+    bucket.values.copy_(bucket.residual.index_select(0, pos).add_(bucket.grads.index_select(0, pos)))
+
+
+def commit(bucket: BucketState, mask: Tensor) -> None:
+    """The residual's half of a staged step: :func:`compact`'s arithmetic, its compact output discarded.
+
+    ``values`` may hold the all-reduced sums by now (replicated mode), so the recomputed compact values go
+    to a scratch buffer; they equal what :func:`stage` sent.
+    """
+    scratch = torch.empty_like(bucket.values)
+    kernels.ef_compact(bucket.residual, bucket.grads, mask, bucket.layout.chunk_size, scratch)

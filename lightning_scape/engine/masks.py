@@ -1,0 +1,170 @@
+"""The mask schedule: which mask each sparse step sends with, when masks are built, and their all-gathers.
+
+A mask of a bucket is ``[W * chunks_per_shard, k]`` int16 chunk-local indices; row ``r * n_c + c`` is chunk c
+of rank r's shard, and every rank holds the whole mask. Each rank builds the rows of its own shard from its
+momentum and residual (partitioned generation) and all-gathers them; the gather stays in flight until the
+step that uses the mask needs it.
+
+Policy, with D = ``dense_warmup_steps``, R = ``mask_refresh_interval`` and k = ``mask_delay``: the mask of
+sparse step u is new when ``(u - 1 - D) % R == 0``, and the last built one otherwise. With k >= 1 it is
+built at the end of step u - k (the first one at the end of the warm-up, or at construction without a
+warm-up) and queued; with k = 0 it is built inside step u's backward pass from ``e + g`` and waited on at
+once. Every rank builds and gathers at the same points, so every rank issues the same collectives.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_scape import kernels
+from lightning_scape.comm import KIND_INDICES, ByteCounters, Communicator, Pending
+from lightning_scape.config import ScapeConfig
+from lightning_scape.engine.buckets import BucketState
+
+
+@dataclass
+class Mask:
+    """One bucket's mask; ``pending`` is the all-gather still filling ``indices`` (None once complete)."""
+
+    indices: Tensor
+    pending: Pending | None = None
+
+
+class MaskSchedule:
+    """The masks of every bucket: the queue of masks to use, the last one built, and the refresh counter.
+
+    Args:
+        buckets: The engine's buckets.
+        config: The SCAPE configuration.
+        comm: The group's collectives (the index all-gathers).
+        counters: Where the index bytes are counted.
+        beta1_of: The b1 of a bucket's param group (the momentum statistic reads it at build time).
+    """
+
+    def __init__(
+        self,
+        buckets: list[BucketState],
+        config: ScapeConfig,
+        comm: Communicator,
+        counters: ByteCounters,
+        beta1_of: Callable[[BucketState], float],
+    ) -> None:
+        self.buckets = buckets
+        self.config = config
+        self.comm = comm
+        self.counters = counters
+        self.beta1_of = beta1_of
+        self.queues: list[deque[Mask]] = [deque() for _ in buckets]
+        self.last_built: list[Mask | None] = [None] * len(buckets)
+        self.refresh_count = 0  # completed refreshes; it places the exploration window and seeds "random"
+        self._built_in_refresh = 0
+
+    @property
+    def is_local(self) -> bool:
+        """Whether every rank computes every mask from identical state (no index traffic)."""
+        cfg = self.config
+        return cfg.mask_statistic == "random" or (not cfg.sharded and cfg.mask_statistic == "momentum")
+
+    # ---------------------------------------------------------------------------- the schedule
+
+    def begin(self) -> None:
+        """The first masks (end of the dense warm-up, or construction without one)."""
+        self._queue(new=True)
+
+    def after_sparse_step(self, step: int) -> None:
+        """At the end of sparse step ``step``: queue the mask of the step ``mask_delay`` steps later."""
+        self._queue(new=(step - self.config.dense_warmup_steps) % self.config.mask_refresh_interval == 0)
+
+    def for_launch(self, i: int, step: int) -> Tensor:
+        """The mask bucket ``i`` sends with at sparse step ``step``, its all-gather waited on.
+
+        With ``mask_delay=0`` it is built here, from this step's ``e + g``.
+        """
+        if self.config.mask_delay == 0:
+            self._build_from_current_gradient(i, step)
+        mask = self.queues[i][0]
+        self.wait(mask)
+        return mask.indices
+
+    def in_use(self, i: int) -> Tensor:
+        """The mask of bucket ``i`` that the sparse step being taken uses."""
+        return self.queues[i][0].indices
+
+    def finish_sparse_step(self) -> None:
+        """Drop the masks the step used."""
+        for queue in self.queues:
+            queue.popleft()
+
+    def wait(self, mask: Mask) -> None:
+        """Wait for ``mask``'s all-gather, if it is still in flight."""
+        if mask.pending is not None:
+            self.counters.timed_wait(mask.pending)
+            mask.pending = None
+
+    def wait_all(self) -> None:
+        """Wait for every queued mask's all-gather."""
+        for queue in self.queues:
+            for mask in queue:
+                self.wait(mask)
+
+    # ---------------------------------------------------------------------------- building
+
+    def _queue(self, new: bool) -> None:
+        """Queue (a new, or the last built) mask until ``mask_delay`` masks wait beyond the one in use."""
+        delay = self.config.mask_delay
+        if delay == 0:
+            return
+        for i, bs in enumerate(self.buckets):
+            queue = self.queues[i]
+            # Inside a step the queue still holds the mask in use, dropped when the step finishes.
+            target = delay + (1 if queue else 0)
+            if new or self.last_built[i] is None:
+                self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard])
+            while len(queue) < target:
+                built = self.last_built[i]
+                assert built is not None
+                queue.append(built)
+
+    def _build_from_current_gradient(self, i: int, step: int) -> None:
+        """``mask_delay=0``: score ``e + g`` of this step (the refresh policy decides if a new mask is built)."""
+        cfg, bs = self.config, self.buckets[i]
+        since_warmup = step - 1 - cfg.dense_warmup_steps
+        if self.last_built[i] is None or since_warmup % cfg.mask_refresh_interval == 0:
+            self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard] + bs.grads[bs.shard])
+        queue = self.queues[i]
+        queue.clear()
+        built = self.last_built[i]
+        assert built is not None
+        queue.append(built)
+
+    def _build(self, i: int, momentum: Tensor, residual: Tensor) -> None:
+        """Score this rank's shard of bucket ``i``, pick k slots per chunk and launch the index all-gather."""
+        cfg, bs = self.config, self.buckets[i]
+        C, k, ke = bs.layout.chunk_size, cfg.slots_per_chunk, cfg.explore_slots_per_chunk
+        offset = (self.refresh_count * ke) % C
+        dev = bs.params.device
+        if cfg.mask_statistic == "random":
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(hash((cfg.seed, bs.layout.index, self.refresh_count)) & 0x7FFF_FFFF_FFFF)
+            scores = torch.rand(bs.layout.padded_numel, generator=gen, device=dev)
+            mask = Mask(kernels.chunk_topk(scores, C, k, ke, offset))
+        elif self.is_local:
+            # Replicated momentum statistic: the full |m| is identical on every rank (the residual is not),
+            # so every rank computes every shard's mask and nothing is sent. select_mask's "gradient"
+            # statistic is |second argument|: here |m|.
+            mask = Mask(kernels.select_mask(bs.momentum, bs.momentum, self.beta1_of(bs), "gradient", C, k, ke, offset))
+        else:
+            own = kernels.select_mask(momentum, residual, self.beta1_of(bs), cfg.mask_statistic, C, k, ke, offset)
+            full = torch.empty(bs.layout.chunks, k, dtype=torch.int16, device=dev)
+            mask = Mask(full, self.comm.all_gather(full.view(-1), own.view(-1)))
+            self.counters.count_all_gather(KIND_INDICES, own.numel(), 2)
+        self.last_built[i] = mask
+        self._built_in_refresh += 1
+        if self._built_in_refresh == len(self.buckets):
+            self._built_in_refresh = 0
+            self.refresh_count += 1

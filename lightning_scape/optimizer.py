@@ -1,0 +1,210 @@
+"""The optimizer a SCAPE strategy hands back (:class:`ScapeOptimizer`), and the conversion to AdamS.
+
+Lightning and Fabric call ``optimizer.step()``, ``zero_grad()``, ``state_dict()`` and read
+``param_groups``; :class:`ScapeOptimizer` answers them with the engine's step, its gradient buffers and
+this rank's SCAPE state, while its param groups stay the user's dicts (so LR schedulers keep working).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_scape.adams import AdamS
+from lightning_scape.engine import ScapeEngine
+
+_CONVERTIBLE = (torch.optim.AdamW, torch.optim.Adam)
+
+
+def to_adams(optimizer: Optimizer) -> AdamS:
+    """The user's optimizer as :class:`AdamS`, sharing its param-group dicts (so LR schedulers keep working).
+
+    Args:
+        optimizer: An :class:`AdamS`, or a ``torch.optim.AdamW`` / ``torch.optim.Adam`` (converted with the
+            same hyperparameters and param groups, said once in the log).
+
+    Returns:
+        The AdamS whose param groups the engine reads.
+    """
+    if isinstance(optimizer, ScapeOptimizer):
+        return optimizer.adams
+    if isinstance(optimizer, AdamS):
+        return optimizer
+    if not isinstance(optimizer, _CONVERTIBLE):
+        raise TypeError(
+            f"ScapeStrategy steps the optimizer itself and supports lightning_scape.AdamS, or torch.optim.AdamW "
+            f"and torch.optim.Adam (converted to AdamS with the same hyperparameters); got "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. Return one of these from "
+            "configure_optimizers / pass one to fabric.setup."
+        )
+    name = type(optimizer).__name__
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if group.get(flag):
+                raise ValueError(
+                    f"{name} param group {i} sets {flag}=True, which AdamS cannot honour (it keeps no second "
+                    f"moment and steps through the SCAPE engine). Create the {name} with {flag}=False, or use "
+                    "lightning_scape.AdamS directly."
+                )
+    if any(optimizer.state.values()):
+        raise ValueError(
+            f"The {name} already holds optimizer state (it has stepped). Convert it before training: pass a "
+            "fresh optimizer to fabric.setup / return it from configure_optimizers, or use AdamS."
+        )
+    # AdamS shares the dicts: its add_param_group only adds the missing "bias_correction" key.
+    adams = AdamS(optimizer.param_groups, **_adams_defaults(optimizer.defaults))
+    coupled = type(optimizer) is torch.optim.Adam and not optimizer.defaults.get("decoupled_weight_decay", False)
+    if coupled and any(g.get("weight_decay", 0.0) for g in optimizer.param_groups):
+        rank_zero_warn(
+            "lightning_scape: torch.optim.Adam applies weight decay as an L2 term in the gradient; AdamS "
+            "decays the weights directly (like AdamW) with the same weight_decay value."
+        )
+    summary = ", ".join(
+        f"group {i}: lr={g['lr']}, betas={tuple(g['betas'])}, eps={g['eps']}, weight_decay={g['weight_decay']}"
+        for i, g in enumerate(adams.param_groups)
+    )
+    rank_zero_info(f"lightning_scape: converted {name} to AdamS with the same hyperparameters ({summary}).")
+    return adams
+
+
+def _adams_defaults(defaults: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("lr", "betas", "eps", "weight_decay")
+    return {k: defaults[k] for k in keys if k in defaults}
+
+
+@dataclass
+class _StepRequest:
+    """What the strategy asked for this step (clipping), consumed by :meth:`ScapeOptimizer.step`."""
+
+    max_norm: float | None = None
+    clip_value: float | None = None
+
+
+class ScapeOptimizer(Optimizer):
+    """The optimizer a SCAPE strategy hands back: AdamS, stepped by a :class:`ScapeEngine`.
+
+    Its ``param_groups`` are the AdamS groups (the same dicts as the user's optimizer), so LR schedulers and
+    code that reads or writes ``param_group["lr"]`` keep working. ``step`` runs the engine's step,
+    ``zero_grad`` zeroes the engine's gradient buffers in place, and ``state_dict`` is this rank's SCAPE
+    state (every rank saves its own; the strategies do that in their checkpoints).
+
+    Args:
+        adams: The AdamS whose param groups hold the hyperparameters.
+        engine: The engine that owns the parameters' flat buffers.
+        source: The optimizer the user created (AdamW, Adam or the AdamS itself).
+    """
+
+    def __init__(self, adams: AdamS, engine: ScapeEngine, source: Optimizer | None = None) -> None:
+        super().__init__(adams.param_groups, adams.defaults)
+        self.param_groups = adams.param_groups  # the same list and dicts, not copies
+        self.adams = adams
+        self.engine = engine
+        self.source = source if source is not None else adams
+        self._request = _StepRequest()
+        self._param_ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``closure`` (forward and backward) if given, then the SCAPE step.
+
+        Args:
+            closure: Re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's return value.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        req = self._request
+        max_norm, clip_value = req.max_norm, req.clip_value
+        req.max_norm = req.clip_value = None
+        self.engine.step(max_grad_norm=max_norm, clip_value=clip_value)
+        for opt in {id(self.source): self.source, id(self.adams): self.adams}.values():
+            setattr(opt, "_opt_called", True)  # noqa: B010  (LR schedulers check that step ran)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in place (they stay views into the engine's buffers; ``set_to_none`` is moot)."""
+        self.engine.zero_grad()
+
+    def request_clip(self, max_norm: float | None = None, clip_value: float | None = None) -> None:
+        """Clip this step's synchronised gradient (global L2 norm, or each value) when it is applied."""
+        if max_norm is not None:
+            self._request.max_norm = float(max_norm)
+        if clip_value is not None:
+            self._request.clip_value = float(clip_value)
+
+    def owns(self, module: Module) -> bool:
+        """Whether ``module``'s trainable parameters are stepped by this optimizer."""
+        return any(id(p) in self._param_ids for p in module.parameters())
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported after set-up: the engine lays the parameters out once."""
+        if not hasattr(self, "engine"):  # Optimizer.__init__ adds the initial groups
+            super().add_param_group(param_group)
+            return
+        raise RuntimeError(
+            "SCAPE lays out the parameters once, when the strategy sets the optimizer up; put every param group "
+            "in the optimizer before fabric.setup / returning it from configure_optimizers."
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: the param groups' hyperparameters and the engine's SCAPE state."""
+        groups = []
+        index = 0
+        for g in self.param_groups:
+            entry = {k: v for k, v in g.items() if k != "params"}
+            entry["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(entry)
+        return {"state": {}, "param_groups": groups, "scape": self.engine.state_dict()}
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ``ValueError`` unless ``state`` (from :meth:`state_dict`) can be loaded; changes nothing."""
+        if not isinstance(state, dict) or "scape" not in state or "param_groups" not in state:
+            raise ValueError(
+                "This optimizer state was not written by a SCAPE strategy (no 'scape' entry); it cannot restore "
+                "SCAPE's momentum, residual and masks."
+            )
+        saved = state["param_groups"]
+        if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(
+                f"The checkpoint's optimizer has param groups of sizes {[len(g['params']) for g in saved]}, this "
+                f"one {[len(g['params']) for g in self.param_groups]}: the model or its param groups changed."
+            )
+        self.engine.check_state_dict(state["scape"])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (hyperparameters and SCAPE state); a state that does not fit changes nothing."""
+        self.check_state_dict(state_dict)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            for k, v in saved.items():
+                if k != "params":
+                    group[k] = v
+        self.engine.load_state_dict(state_dict["scape"])
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside Lightning's ``LightningOptimizer`` / Fabric's ``_FabricOptimizer`` wrappers."""
+    seen = 0
+    while seen < 4 and type(optimizer) is not ScapeOptimizer:
+        inner = optimizer.__dict__.get("_optimizer") if hasattr(optimizer, "__dict__") else None
+        if inner is None:
+            break
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
+def scape_optimizers(objects: Iterable[Any]) -> Iterator[ScapeOptimizer]:
+    """The :class:`ScapeOptimizer` objects among ``objects`` (unwrapping Lightning's optimizer wrappers)."""
+    for obj in objects:
+        inner = unwrap_optimizer(obj)
+        if isinstance(inner, ScapeOptimizer):
+            yield inner
