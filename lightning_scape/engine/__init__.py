@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,9 +29,7 @@ from torch.optim import Optimizer
 from lightning_scape.comm import (
     KIND_DENSE,
     KIND_PARAMS,
-    KIND_SCALARS,
     KIND_SETUP,
-    KIND_VALUES,
     ByteCounters,
     Communicator,
     Pending,
@@ -42,23 +39,10 @@ from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import feedback, state, update
 from lightning_scape.engine.buckets import BucketState
 from lightning_scape.engine.masks import MaskSchedule
+from lightning_scape.engine.step import StepInFlight
 from lightning_scape.layout import build_buckets
 
 __all__ = ["BucketState", "ScapeEngine"]
-
-
-@dataclass
-class _StepInFlight:
-    """What one step has done so far; a new one is made when a step opens and dropped when it closes."""
-
-    ready: list[int]  # per bucket: gradients that have arrived
-    pending: list[Pending | None]  # per bucket: the value collective in flight
-    nonfinite: Tensor  # some gradient of this rank was inf/nan (only checked with skip_nonfinite)
-    next_launch: int = 0  # buckets launch strictly in order; those below this one are launched
-    synced: list[Tensor] | None = None  # per bucket: the averaged gradient, once waited for
-    squared_norm: Tensor | None = None  # the global squared norm of ``synced``, once computed
-    loss_scale: float | None = None  # the fp16 loss scale the gradients of this step carry
-    used_masks: list[Tensor] = field(default_factory=list)
 
 
 class ScapeEngine:
@@ -113,9 +97,7 @@ class ScapeEngine:
                     f"ScapeEngine needs AdamS-style param groups; this one lacks {missing}. "
                     "Build the optimizer as lightning_scape.AdamS(params, ...)."
                 )
-        layouts = build_buckets(
-            optimizer.param_groups, self.world_size, cfg.chunk_size, cfg.bucket_cap_mb, param_order
-        )
+        layouts = build_buckets(optimizer.param_groups, self.world_size, cfg.chunk_size, cfg.bucket_cap_mb, param_order)
         if not layouts:
             raise ValueError("ScapeEngine got no trainable parameters (all frozen or none given).")
         self.buckets = [BucketState(b, cfg, self.rank) for b in layouts]
@@ -137,13 +119,16 @@ class ScapeEngine:
         self.padded_numel = sum(b.layout.padded_numel for b in self.buckets)
         self.counters = ByteCounters(world_size=self.world_size)
         self._sync_initial_params(sync_params)
-        self.masks = MaskSchedule(self.buckets, cfg, self.comm, self.counters, lambda bs: self._group(bs)["betas"][0])
+        groups = optimizer.param_groups
+        self.masks = MaskSchedule(
+            self.buckets, cfg, self.comm, self.counters, lambda bs: groups[bs.layout.group_index]["betas"][0]
+        )
         self.step_count = 0
         self.require_backward_grad_sync = True
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self.last_used_masks: list[Tensor] | None = None  # per bucket, the mask of the last sparse step
-        self._step: _StepInFlight | None = None
+        self._step: StepInFlight | None = None
         if cfg.dense_warmup_steps == 0:
             self.masks.begin()
 
@@ -211,12 +196,12 @@ class ScapeEngine:
                 values in sparse steps) to this value.
             clip_value: Clamp every synchronised gradient value to ``[-clip_value, clip_value]``.
         """
-        self._open_step()
-        self._launch_in_order(all_buckets=True)  # buckets that saw no backward send their zeros
-        t, sparse = self.step_count + 1, not self.in_warmup
-        synced = self._synced_grads()
+        step = self._open_step()
+        step.launch_in_order(all_buckets=True)  # buckets that saw no backward send their zeros
+        t, sparse = step.step, not step.dense
+        synced = step.synced_grads()
         if self.skip_nonfinite:
-            if self._any_nonfinite(synced):
+            if step.any_nonfinite():
                 self._close_step(applied=False)
                 return
             if sparse:
@@ -224,7 +209,7 @@ class ScapeEngine:
                     feedback.commit(bs, self.masks.in_use(i))
         if sparse:
             self.last_used_masks = [self.masks.in_use(i) for i in range(len(self.buckets))]
-        update.clip_(synced, self._clip_coef(synced, max_grad_norm), clip_value)
+        update.clip_(synced, self._clip_coef(step, max_grad_norm), clip_value)
         hypers = [update.step_hyper(g, t, self.config, sparse) for g in self.optimizer.param_groups]
         unmasked_momentum = self.config.unmasked_update == "momentum"
         gathers: list[Pending | None] = []
@@ -256,9 +241,9 @@ class ScapeEngine:
         Finishes the step's synchronisation early (:meth:`step` then does not wait again). In sharded mode
         it costs the scalar all-reduce that norm clipping uses, shared with it.
         """
-        self._open_step()
-        self._launch_in_order(all_buckets=True)
-        norm = self._squared_norm(self._synced_grads()).sqrt()
+        step = self._open_step()
+        step.launch_in_order(all_buckets=True)
+        norm = step.squared_norm().sqrt()
         self.last_grad_norm = float(norm.item())
         return self.last_grad_norm
 
@@ -275,9 +260,7 @@ class ScapeEngine:
             return
         self.masks.wait_all()
         if self._step is not None:
-            for pending in self._step.pending:
-                if pending is not None:
-                    pending.wait()
+            self._step.wait_all()
             self._step = None
 
     def current_masks(self) -> list[Tensor]:
@@ -323,34 +306,27 @@ class ScapeEngine:
         """Restore :meth:`state_dict`; refuses (changing nothing) a state that :meth:`check_state_dict` rejects."""
         state.load_engine_state(self, saved)
 
-    # ------------------------------------------------------------------ backward hooks and launches
+    # ------------------------------------------------------------------ the step in flight
 
     def _on_grad_ready(self, p: Tensor) -> None:
         if not self.require_backward_grad_sync:
             return
         with torch.no_grad():
-            i = self._bucket_index[id(p)]
-            step = self._open_step()
-            if i < step.next_launch:
-                raise RuntimeError(
-                    "SCAPE: a gradient arrived for a bucket that was already synchronised this step "
-                    "(two backward passes without an optimizer step?). Wrap all but the last backward "
-                    "of a step in engine.no_sync() / Fabric's no_backward_sync."
-                )
-            step.ready[i] += 1
-            if step.ready[i] == len(self.buckets[i].layout.places):
-                self._launch_in_order(all_buckets=False)
+            self._open_step().grad_ready(self._bucket_index[id(p)])
 
-    def _open_step(self) -> _StepInFlight:
+    def _open_step(self) -> StepInFlight:
         if self._step is None:
-            n = len(self.buckets)
-            self._step = _StepInFlight(
-                ready=[0] * n,
-                pending=[None] * n,
-                nonfinite=torch.zeros((), dtype=torch.bool, device=self.buckets[0].params.device),
+            self._step = StepInFlight(
+                self.buckets,
+                self.config,
+                self.comm,
+                self.counters,
+                self.masks,
+                step=self.step_count + 1,
+                dense=self.in_warmup,
                 loss_scale=None if self.loss_scale is None else float(self.loss_scale()),
+                skip_nonfinite=self.skip_nonfinite,
             )
-            self.counters.start_step()
         return self._step
 
     def _close_step(self, applied: bool) -> None:
@@ -360,58 +336,13 @@ class ScapeEngine:
             self.counters.steps = self.step_count
         self._step = None
 
-    def _launch_in_order(self, all_buckets: bool) -> None:
-        """Launch ready buckets strictly in index order, so every rank issues the same sequence."""
-        step = self._open_step()
-        while step.next_launch < len(self.buckets):
-            i = step.next_launch
-            if not all_buckets and step.ready[i] < len(self.buckets[i].layout.places):
-                return
-            step.pending[i] = self._launch(i, step)
-            step.next_launch += 1
-
-    def _adopt_grads(self, bs: BucketState) -> None:
-        """Make every parameter's ``.grad`` the bucket's view (copying a gradient autograd replaced)."""
-        for place in bs.layout.places:
-            p = place.param
-            view = bs.grads[place.offset : place.offset + place.numel]
-            g = p.grad
-            if g is None:
-                view.zero_()
-            elif g.data_ptr() != view.data_ptr():
-                if g.is_sparse:
-                    raise RuntimeError("SCAPE does not support sparse gradients; use a dense embedding.")
-                view.copy_(g.reshape(-1))
-            else:
-                continue
-            p.grad = view.view_as(p)
-
-    def _launch(self, i: int, step: _StepInFlight) -> Pending:
-        """Bucket ``i``'s collective: the dense gradient in warm-up, else the compact values at the mask."""
-        bs, cfg, c = self.buckets[i], self.config, self.counters
-        self._adopt_grads(bs)
-        if step.loss_scale is not None and step.loss_scale != 1.0:
-            bs.grads.mul_(1.0 / step.loss_scale)
-        if self.skip_nonfinite:
-            step.nonfinite |= ~torch.isfinite(bs.grads).all()
-        item = bs.layout.dtype.itemsize
-        c.count_dense_equivalent(bs.layout.numel, item)
-        if self.in_warmup:
-            if cfg.sharded:
-                c.count_reduce_scatter(KIND_DENSE, bs.layout.padded_numel, item)
-                return self.comm.reduce_scatter_sum(bs.dense_synced(), bs.grads)
-            c.count_all_reduce(KIND_DENSE, bs.layout.padded_numel, item)
-            return self.comm.all_reduce_sum(bs.grads)
-        mask = self.masks.for_launch(i, self.step_count + 1)
-        if self.skip_nonfinite:
-            feedback.stage(bs, mask)  # the residual takes the gradient once every rank agreed on the step
-        else:
-            feedback.compact(bs, mask)
-        if cfg.sharded:
-            c.count_reduce_scatter(KIND_VALUES, bs.slots, item)
-            return self.comm.reduce_scatter_sum(bs.sparse_synced(), bs.values)
-        c.count_all_reduce(KIND_VALUES, bs.slots, item)
-        return self.comm.all_reduce_sum(bs.values)
+    def _clip_coef(self, step: StepInFlight, max_grad_norm: float | None) -> Tensor | None:
+        """Global-norm clipping coefficient, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+        if max_grad_norm is None:
+            return None
+        norm = step.squared_norm().sqrt()
+        self.last_grad_norm = float(norm.item())
+        return (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
 
     def _launch_param_gather(self, bs: BucketState, sparse: bool) -> Pending | None:
         """Sharded mode: every owner's updated parameters to every rank (replicated mode has them already)."""
@@ -434,59 +365,3 @@ class ScapeEngine:
             bs.dense_shard = None
             bs.last_sent.fill_(t)
         self.masks.begin()
-
-    # ------------------------------------------------------------------ synchronised gradients
-
-    def _group(self, bs: BucketState) -> dict[str, Any]:
-        return self.optimizer.param_groups[bs.layout.group_index]
-
-    def _synced_grads(self) -> list[Tensor]:
-        """Per bucket, this step's averaged gradient: waits for the value collectives once per step."""
-        step = self._open_step()
-        if step.synced is None:
-            synced = []
-            for i, bs in enumerate(self.buckets):
-                g = bs.dense_synced() if self.in_warmup else bs.sparse_synced()
-                pending = step.pending[i]
-                assert pending is not None
-                self.counters.timed_wait(pending)
-                step.pending[i] = None
-                if self.world_size > 1:
-                    g.div_(self.world_size)
-                synced.append(g)
-            step.synced = synced
-        return step.synced
-
-    def _squared_norm(self, grads: list[Tensor]) -> Tensor:
-        """Global squared L2 norm of ``grads`` (sharded: summed over ranks), once per step."""
-        step = self._open_step()
-        if step.squared_norm is None:
-            squares = [g.float().square().sum() for g in grads]
-            sq = torch.stack([s.to(torch.float64) for s in squares]).sum().reshape(1)
-            if self.config.sharded and self.world_size > 1:
-                sq32 = sq.to(torch.float32)
-                self.counters.timed_wait(self.comm.all_reduce_sum(sq32))
-                self.counters.count_all_reduce(KIND_SCALARS, 1, 4)
-                sq = sq32.to(torch.float64)
-            step.squared_norm = sq
-        return step.squared_norm
-
-    def _clip_coef(self, grads: list[Tensor], max_grad_norm: float | None) -> Tensor | None:
-        """Global-norm clipping coefficient, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
-        if max_grad_norm is None or not grads:
-            return None
-        norm = self._squared_norm(grads).sqrt()
-        self.last_grad_norm = float(norm.item())
-        return (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-
-    def _any_nonfinite(self, synced: list[Tensor]) -> bool:
-        """Whether any rank saw a non-finite value this step (one scalar all-reduce, so all ranks agree)."""
-        step = self._open_step()
-        flag = step.nonfinite.clone()
-        for g in synced:
-            flag |= ~torch.isfinite(g).all()
-        f = flag.to(torch.float32).reshape(1)
-        if self.world_size > 1:
-            self.counters.timed_wait(self.comm.all_reduce_sum(f))
-            self.counters.count_all_reduce(KIND_SCALARS, 1, 4)
-        return bool(f.item() > 0)

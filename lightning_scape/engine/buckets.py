@@ -58,6 +58,22 @@ class BucketState:
         self.gathered = torch.zeros(self.slots, dtype=dt, device=dev) if self.sharded else None
         self.dense_shard: Tensor | None = None
 
+    def adopt_grads(self) -> None:
+        """Make every parameter's ``.grad`` the bucket's view (copying a gradient that autograd replaced)."""
+        for place in self.layout.places:
+            p = place.param
+            view = self.grads[place.offset : place.offset + place.numel]
+            g = p.grad
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                if g.is_sparse:
+                    raise RuntimeError("SCAPE does not support sparse gradients; use a dense embedding.")
+                view.copy_(g.reshape(-1))
+            else:
+                continue
+            p.grad = view.view_as(p)
+
     @property
     def region_params(self) -> Tensor:
         """The parameters this rank updates (a view)."""

@@ -1,0 +1,157 @@
+"""One optimizer step in flight, from its first gradient hook to the end of ``ScapeEngine.step``.
+
+It launches the buckets' value collectives strictly in bucket order (so every rank issues the same
+sequence even when a parameter is unused on one rank), waits for them once, and holds what the step
+derives from them: the averaged gradients, their global norm and the ranks' agreement on finiteness. A new
+one is made when a step opens and dropped when the step closes, so nothing leaks from one step to the next.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_scape.comm import KIND_DENSE, KIND_SCALARS, KIND_VALUES, ByteCounters, Communicator, Pending
+from lightning_scape.config import ScapeConfig
+from lightning_scape.engine import feedback
+from lightning_scape.engine.buckets import BucketState
+from lightning_scape.engine.masks import MaskSchedule
+
+
+class StepInFlight:
+    """The launches, waits and synchronised gradients of step ``step``.
+
+    Args:
+        buckets: The engine's buckets.
+        config: The SCAPE configuration.
+        comm: The group's collectives.
+        counters: Where the bytes and wait times are counted.
+        masks: The mask schedule (sparse steps send at its masks).
+        step: The step t being taken (1-based).
+        dense: A dense warm-up step (the whole gradient is averaged) rather than a sparse one.
+        loss_scale: The fp16 loss scale this step's gradients carry, divided out at launch; None: unscaled.
+        skip_nonfinite: Check the gradients for inf/nan, and defer the residual's update until every rank
+            agreed that the step is finite (:func:`~lightning_scape.engine.feedback.stage`).
+    """
+
+    def __init__(
+        self,
+        buckets: list[BucketState],
+        config: ScapeConfig,
+        comm: Communicator,
+        counters: ByteCounters,
+        masks: MaskSchedule,
+        step: int,
+        dense: bool,
+        loss_scale: float | None,
+        skip_nonfinite: bool,
+    ) -> None:
+        self.buckets, self.config, self.comm, self.counters, self.masks = buckets, config, comm, counters, masks
+        self.step, self.dense, self.loss_scale, self.skip_nonfinite = step, dense, loss_scale, skip_nonfinite
+        n = len(buckets)
+        self.ready = [0] * n  # per bucket: gradients that have arrived
+        self.pending: list[Pending | None] = [None] * n  # per bucket: the value collective in flight
+        self.next_launch = 0  # buckets below this index are launched
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=buckets[0].params.device)
+        self._synced: list[Tensor] | None = None
+        self._squared_norm: Tensor | None = None
+        counters.start_step()
+
+    # ------------------------------------------------------------------ launches
+
+    def grad_ready(self, i: int) -> None:
+        """A gradient of bucket ``i`` arrived (a backward hook); launch every bucket that is complete."""
+        if i < self.next_launch:
+            raise RuntimeError(
+                "SCAPE: a gradient arrived for a bucket that was already synchronised this step "
+                "(two backward passes without an optimizer step?). Wrap all but the last backward "
+                "of a step in engine.no_sync() / Fabric's no_backward_sync."
+            )
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i].layout.places):
+            self.launch_in_order(all_buckets=False)
+
+    def launch_in_order(self, all_buckets: bool) -> None:
+        """Launch complete buckets (every bucket with ``all_buckets``) strictly in index order."""
+        while self.next_launch < len(self.buckets):
+            i = self.next_launch
+            if not all_buckets and self.ready[i] < len(self.buckets[i].layout.places):
+                return
+            self.pending[i] = self._launch(i)
+            self.next_launch += 1
+
+    def _launch(self, i: int) -> Pending:
+        """Bucket ``i``'s collective: the dense gradient in warm-up, else the compact values at the mask."""
+        bs, c = self.buckets[i], self.counters
+        bs.adopt_grads()
+        if self.loss_scale is not None and self.loss_scale != 1.0:
+            bs.grads.mul_(1.0 / self.loss_scale)
+        if self.skip_nonfinite:
+            self.nonfinite |= ~torch.isfinite(bs.grads).all()
+        item = bs.layout.dtype.itemsize
+        c.count_dense_equivalent(bs.layout.numel, item)
+        if self.dense:
+            if self.config.sharded:
+                c.count_reduce_scatter(KIND_DENSE, bs.layout.padded_numel, item)
+                return self.comm.reduce_scatter_sum(bs.dense_synced(), bs.grads)
+            c.count_all_reduce(KIND_DENSE, bs.layout.padded_numel, item)
+            return self.comm.all_reduce_sum(bs.grads)
+        mask = self.masks.for_launch(i, self.step)
+        if self.skip_nonfinite:
+            feedback.stage(bs, mask)  # the residual takes the gradient once every rank agreed on the step
+        else:
+            feedback.compact(bs, mask)
+        if self.config.sharded:
+            c.count_reduce_scatter(KIND_VALUES, bs.slots, item)
+            return self.comm.reduce_scatter_sum(bs.sparse_synced(), bs.values)
+        c.count_all_reduce(KIND_VALUES, bs.slots, item)
+        return self.comm.all_reduce_sum(bs.values)
+
+    # ------------------------------------------------------------------ synchronised gradients
+
+    def synced_grads(self) -> list[Tensor]:
+        """Per bucket, this step's averaged gradient; waits for the value collectives, in order, once."""
+        if self._synced is None:
+            w = self.comm.world_size
+            synced = []
+            for i, bs in enumerate(self.buckets):
+                g = bs.dense_synced() if self.dense else bs.sparse_synced()
+                pending = self.pending[i]
+                assert pending is not None
+                self.counters.timed_wait(pending)
+                self.pending[i] = None
+                if w > 1:
+                    g.div_(w)
+                synced.append(g)
+            self._synced = synced
+        return self._synced
+
+    def squared_norm(self) -> Tensor:
+        """Global squared L2 norm of the synced gradients (sharded: summed over ranks, one scalar all-reduce)."""
+        if self._squared_norm is None:
+            squares = [g.float().square().sum() for g in self.synced_grads()]
+            sq = torch.stack([s.to(torch.float64) for s in squares]).sum().reshape(1)
+            if self.config.sharded and self.comm.world_size > 1:
+                sq32 = sq.to(torch.float32)
+                self.counters.timed_wait(self.comm.all_reduce_sum(sq32))
+                self.counters.count_all_reduce(KIND_SCALARS, 1, 4)
+                sq = sq32.to(torch.float64)
+            self._squared_norm = sq
+        return self._squared_norm
+
+    def any_nonfinite(self) -> bool:
+        """Whether any rank saw a non-finite value this step (one scalar all-reduce, so all ranks agree)."""
+        flag = self.nonfinite.clone()
+        for g in self.synced_grads():
+            flag |= ~torch.isfinite(g).all()
+        f = flag.to(torch.float32).reshape(1)
+        if self.comm.world_size > 1:
+            self.counters.timed_wait(self.comm.all_reduce_sum(f))
+            self.counters.count_all_reduce(KIND_SCALARS, 1, 4)
+        return bool(f.item() > 0)
+
+    def wait_all(self) -> None:
+        """Wait for every value collective still in flight (closing the engine)."""
+        for pending in self.pending:
+            if pending is not None:
+                pending.wait()
