@@ -2,12 +2,15 @@
 
     python benchmarks/quality.py --steps 400 --out out/quality            # every configuration
     python benchmarks/quality.py --configs dense,default,catch_up          # a few
+    python benchmarks/quality.py --corpus prose                            # on English prose, not code
 
-Every configuration trains the README demo's model (litgpt GPT, 0.86M parameters, byte-level) on the
-Python standard library's source with W simulated ranks (``lightning_scape.simulate``: the exact
-algorithm of W ranks, in threads), the same seed, data order, batch, LR schedule and clipping. Validation
-loss is measured on the same held-out batches every ``--eval-every`` steps. Output: a markdown table
-(also written to ``OUT/quality.md``), a CSV of the curves and, with matplotlib, a PNG.
+Every configuration trains the README demo's model (``lightning_scape.workloads``: litgpt GPT, 0.86M
+parameters, byte-level) on one of the workloads' corpora (``--corpus``: ``stdlib``, the Python standard
+library's source, or ``prose``, the documentation that ships with Python; split into train and validation
+by file) with W simulated ranks (``lightning_scape.simulate``: the exact algorithm of W ranks, in threads),
+the same seed, data order, batch, LR schedule and clipping. Validation loss is measured on the same
+held-out batches every ``--eval-every`` steps. Output: a markdown table (also written to
+``OUT/quality.md``), a CSV of the curves and, with matplotlib, a PNG.
 """
 
 from __future__ import annotations
@@ -24,18 +27,19 @@ import torch
 
 from lightning_scape import ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
-from lightning_scape.demo import (
-    build_demo_model,
-    demo_optimizer,
+from lightning_scape.workloads import (
+    CORPORA,
+    adams_optimizer,
+    build_model,
+    corpus_tokens,
     lm_loss,
-    load_tokens,
     sample_batch,
     set_cosine_lr,
     validation_loss,
 )
 
 DENSE = "dense"
-# build_demo_model seeds torch's global generator, which the simulated ranks (threads) share: build one
+# build_model seeds torch's global generator, which the simulated ranks (threads) share: build one
 # model at a time, or each rank draws an interleaved part of the stream and the replicas start different.
 _INIT_LOCK = threading.Lock()
 
@@ -65,13 +69,19 @@ def configurations(density: float, warmup: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def train(rank: int, comm: Communicator, cfg: ScapeConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """One rank's run; rank 0 returns the loss curves."""
+def train(
+    rank: int,
+    comm: Communicator,
+    cfg: ScapeConfig,
+    args: argparse.Namespace,
+    tokens: tuple[torch.Tensor, torch.Tensor],
+) -> dict[str, Any]:
+    """One rank's run on ``tokens`` (train, validation); rank 0 returns the loss curves."""
     torch.set_num_threads(1)
-    train_tokens, val_tokens = load_tokens(args.max_bytes)
+    train_tokens, val_tokens = tokens
     with _INIT_LOCK:
-        model = build_demo_model(args.block_size)
-    opt = demo_optimizer(model, args.lr)
+        model = build_model(args.block_size)
+    opt = adams_optimizer(model, args.lr)
     engine = ScapeEngine(opt, cfg, comm, list(model.parameters()))
     gen = torch.Generator().manual_seed(1234 + rank)
     curve: list[tuple[int, float, float]] = []
@@ -104,7 +114,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--max-bytes", type=int, default=4_000_000)
+    ap.add_argument("--corpus", choices=CORPORA, default="stdlib", help="the text: Python's source or its docs")
+    ap.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of the corpus to read (files sorted)")
     ap.add_argument("--out", default="out/quality")
     args = ap.parse_args()
 
@@ -116,11 +127,14 @@ def main() -> None:
     if DENSE not in names:
         names.insert(0, DENSE)
     os.makedirs(args.out, exist_ok=True)
+    # Read once here: the simulated ranks are threads of this process and share the (read-only) tokens.
+    tokens = corpus_tokens(args.corpus, args.max_bytes)
+    print(f"corpus {args.corpus}: {len(tokens[0]):,} train and {len(tokens[1]):,} validation tokens", flush=True)
     results: dict[str, dict[str, Any]] = {}
     for name in names:
         cfg = ScapeConfig(**table[name])
         t0 = time.perf_counter()
-        worker: Callable[[int, Communicator], dict[str, Any]] = lambda r, c, cfg=cfg: train(r, c, cfg, args)  # noqa: E731
+        worker: Callable[[int, Communicator], dict[str, Any]] = lambda r, c, cfg=cfg: train(r, c, cfg, args, tokens)  # noqa: E731
         results[name] = simulate(args.world_size, worker)[0]
         final = results[name]["curve"][-1]
         print(f"{name:<20} val {final[2]:.4f}  train {final[1]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -128,8 +142,8 @@ def main() -> None:
     dense_val = results[DENSE]["curve"][-1][2]
     dense_bytes = results[DENSE]["bytes_per_step"]
     lines = [
-        f"W={args.world_size} (simulated), {args.steps} steps, density {args.density}, warm-up {args.warmup}, "
-        f"batch {args.batch_size}x{args.block_size} per rank, lr {args.lr} cosine, clip 1.0",
+        f"{args.corpus} corpus, W={args.world_size} (simulated), {args.steps} steps, density {args.density}, "
+        f"warm-up {args.warmup}, batch {args.batch_size}x{args.block_size} per rank, lr {args.lr} cosine, clip 1.0",
         "",
         "| configuration | val loss | vs dense | train loss | bytes vs dense (warm-up included) |",
         "|---|---|---|---|---|",

@@ -13,55 +13,40 @@ from __future__ import annotations
 
 import argparse
 import csv
-import glob
-import math
 import os
-import socket
 import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import lightning as L
 import torch
 
-from lightning_scape.adams import AdamS
 from lightning_scape.config import ScapeConfig
-from lightning_scape.data import TextFolder, stdlib_root
+from lightning_scape.data import TextFolder
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.strategy import ScapeStrategy
+from lightning_scape.workloads import (
+    adams_optimizer,
+    build_model,
+    free_port,
+    lm_loss,
+    sample_batch,
+    set_cosine_lr,
+    validation_batch_losses,
+)
 
 WORLD_SIZE = 2
 METHODS = ("dense", "scape")
 CSV_COLUMNS = ("method", "step", "train_loss", "bytes_sent", "cumulative_bytes_sent", "val_loss")
 # A failed or stuck rank should end the demo in minutes, not after ScapeConfig's 30-minute default.
 COLLECTIVE_TIMEOUT_S = 120.0
-# The demo model: 4 layers, 128 wide; 0.86M parameters with byte tokens.
-DEMO_MODEL_SHAPE: Mapping[str, int] = MappingProxyType(
-    {"n_layer": 4, "n_head": 4, "n_embd": 128, "intermediate_size": 344}
-)
-
-
-def stdlib_corpus(max_bytes: int) -> bytes:
-    """Up to ``max_bytes`` of the standard library's ``.py`` files, in sorted (deterministic) order."""
-    root = str(stdlib_root())
-    files = sorted(glob.glob(os.path.join(root, "*.py")))
-    if not files:
-        raise FileNotFoundError(f"no Python sources under {root}; train on your own text instead")
-    out = bytearray()
-    for f in files:
-        with open(f, "rb") as fh:
-            out += fh.read()
-        if len(out) >= max_bytes:
-            break
-    return bytes(out[:max_bytes])
 
 
 @dataclass  # not frozen: Fabric's spawn launcher rebuilds the dataclasses it passes to the processes
@@ -76,130 +61,6 @@ class DemoArgs:
     density: float
     eval_every: int
     eval_batches: int = 8
-
-
-def build_demo_model(
-    block_size: int, vocab_size: int = 256, shape: Mapping[str, int] = DEMO_MODEL_SHAPE, seed: int = 0
-) -> torch.nn.Module:
-    """The demo's litgpt GPT (Llama-style: RMSNorm, SwiGLU, full rotary, no biases), seeded.
-
-    Args:
-        block_size: The longest sequence the model sees.
-        vocab_size: Token ids are below this (256 for bytes; the BPE vocabulary size otherwise).
-        shape: ``n_layer``, ``n_head``, ``n_embd`` and ``intermediate_size``; the default
-            :data:`DEMO_MODEL_SHAPE` has 0.86M parameters with 256 byte tokens. The network benchmark passes
-            its presets here.
-        seed: The initialisation seed (every rank builds the same model from the same seed).
-
-    Returns:
-        The model, initialised from ``torch.manual_seed(seed)``.
-    """
-    from litgpt import GPT, Config
-
-    cfg = Config(
-        name="scape-demo",
-        block_size=block_size,
-        vocab_size=vocab_size,
-        padded_vocab_size=vocab_size,
-        rotary_percentage=1.0,
-        parallel_residual=False,
-        bias=False,
-        norm_class_name="RMSNorm",
-        mlp_class_name="LLaMAMLP",
-        **shape,
-    )
-    torch.manual_seed(seed)
-    return GPT(cfg)
-
-
-def load_tokens(max_bytes: int, text: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte tokens of ``text`` (or the stdlib corpus), split 90/10 into train and validation.
-
-    The demo reads its data through :class:`~lightning_scape.data.TextFolder`; this older split stays for
-    ``benchmarks/quality.py``, whose published numbers were measured on it.
-
-    Args:
-        max_bytes: How many bytes to read.
-        text: A text file; None for :func:`stdlib_corpus`.
-
-    Returns:
-        The train and validation tokens (int64).
-    """
-    if text:
-        with open(text, "rb") as fh:
-            data = fh.read(max_bytes)
-    else:
-        data = stdlib_corpus(max_bytes)
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-    split = int(0.9 * len(tokens))
-    return tokens[:split], tokens[split:]
-
-
-def sample_batch(
-    tokens: torch.Tensor, gen: torch.Generator, batch: int, block: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch`` random windows of ``block`` tokens and their next-token targets."""
-    ix = torch.randint(len(tokens) - block - 1, (batch,), generator=gen)
-    x = torch.stack([tokens[i : i + block] for i in ix])
-    y = torch.stack([tokens[i + 1 : i + 1 + block] for i in ix])
-    return x, y
-
-
-def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy in nats."""
-    logits = model(x)
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-
-
-def weight_decay_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
-    """Two parameter groups: matrices (decayed) and vectors (norms and biases, ``weight_decay=0``)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def demo_optimizer(model: torch.nn.Module, lr: float) -> AdamS:
-    """AdamS with weight decay on matrices only (see :func:`weight_decay_groups`)."""
-    return AdamS(weight_decay_groups(model), lr=lr)
-
-
-def set_cosine_lr(optimizer: torch.optim.Optimizer, step: int, steps: int, peak: float) -> None:
-    """20 steps of linear warm-up, then cosine decay to zero at ``steps``."""
-    lr = peak * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
-    for g in optimizer.param_groups:
-        g["lr"] = lr
-
-
-@torch.no_grad()
-def validation_batch_losses(
-    model: torch.nn.Module, val: torch.Tensor, block: int, batches: int = 8, rank: int = 0, world_size: int = 1
-) -> torch.Tensor:
-    """The loss of each of ``batches`` fixed (seeded) batches of 16 validation windows.
-
-    Args:
-        model: The model to evaluate.
-        val: Validation tokens.
-        block: Tokens per window.
-        batches: How many batches.
-        rank: This process's rank; it evaluates batches ``rank``, ``rank + world_size``, ...
-        world_size: How many processes share the batches.
-
-    Returns:
-        A float64 vector with this rank's batch losses and zeros elsewhere: summed over the ranks (adding
-        zeros is exact), it equals the vector one process would compute alone.
-    """
-    gen = torch.Generator().manual_seed(99)
-    out = torch.zeros(batches, dtype=torch.float64)
-    for i in range(batches):
-        x, y = sample_batch(val, gen, 16, block)  # every rank draws every batch: the same windows in any split
-        if i % world_size == rank:
-            out[i] = float(lm_loss(model, x, y))
-    return out
-
-
-def validation_loss(model: torch.nn.Module, val: torch.Tensor, block: int, batches: int = 8) -> float:
-    """Mean loss on ``batches`` fixed (seeded) batches of 16 validation windows."""
-    return sum(validation_batch_losses(model, val, block, batches).tolist()) / batches
 
 
 # ------------------------------------------------------------------------------------------ the runs
@@ -231,8 +92,8 @@ def _train(fabric: L.Fabric, args: DemoArgs, method: str, tokens_file: str, voca
     torch.set_num_threads(1)  # 2 processes on a 2-core machine: one thread each avoids oversubscription
     train, val = torch.load(tokens_file)
     rank = fabric.global_rank
-    model = build_demo_model(args.block_size, vocab_size)
-    model, opt = fabric.setup(model, demo_optimizer(model, args.lr))
+    model = build_model(args.block_size, vocab_size)
+    model, opt = fabric.setup(model, adams_optimizer(model, args.lr))
     engine = fabric.strategy.engine  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own data order, the same in both runs
     bar = _progress_bar(args.steps, method_label(method, args.density)) if fabric.is_global_zero else None
@@ -324,12 +185,6 @@ def _result(
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def _restored_environ() -> Iterator[None]:
     """Undo the variables Fabric sets in this process (``MASTER_PORT``, ...) once its run is over."""
@@ -376,7 +231,7 @@ def run_method(args: DemoArgs, method: str, tokens_file: str, vocab_size: int) -
     strategy = ScapeStrategy(start_method="spawn", process_group_backend="gloo", config=method_config(args, method))
     with _restored_environ():
         # A fresh port per run: the previous run's store may still hold its port in TIME_WAIT.
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
         fabric = L.Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
         run = partial(_train, args=args, method=method, tokens_file=tokens_file, vocab_size=vocab_size)
         result = fabric.launch(run)

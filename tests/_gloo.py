@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
@@ -13,12 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    """A TCP port that is free on the loopback interface right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from lightning_scape.workloads import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: str) -> None:

@@ -8,7 +8,6 @@ bitwise what gloo computes, so the final parameters must match exactly.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -161,13 +160,6 @@ def reference(
 
 
 # ------------------------------------------------------------------------------------ launching
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -16,7 +16,9 @@ import threading
 import time
 from typing import Any
 
-from _lightning_common import PYTHON, WORKER, child_env, free_port, run_script
+from _lightning_common import PYTHON, WORKER, child_env, run_script
+
+from lightning_scape.workloads import free_port
 
 _DIRS: list[str] = []
 

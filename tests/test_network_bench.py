@@ -61,6 +61,7 @@ def test_harness_smoke_on_loopback(tmp_path: Path) -> None:
         str(tmp_path),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env["LIGHTNING_SCAPE_CACHE"] = str(tmp_path / "cache")  # the ranks' token cache (TextFolder), not ~/.cache
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "running on loopback WITHOUT any rate limit" in proc.stdout

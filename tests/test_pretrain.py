@@ -14,6 +14,7 @@ import torch
 
 from lightning_scape.config import ScapeConfig
 from lightning_scape.pretrain import RecipeError, _rewrite_data_path, check_vocab, parse, pretrain, run_pretrain
+from lightning_scape.workloads import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -166,7 +167,7 @@ def _pretrain(out_dir: Path, cache: Path, *args: str, program: list[str] = MODUL
 
 def _pretrain_two_nodes(out_dir: Path, cache: Path) -> None:
     """The same run as 2 "nodes" of 1 process each, joined only through Lightning's environment variables."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = [
         subprocess.Popen(
             _command(out_dir, "--devices", "1", "--num_nodes", "2"),
@@ -181,14 +182,6 @@ def _pretrain_two_nodes(out_dir: Path, cache: Path) -> None:
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out[-3000:]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _metrics(out_dir: Path) -> list[dict[str, str]]:

@@ -27,7 +27,6 @@ import os
 import platform
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,9 +51,9 @@ from benchmarks.network.worker import (
     COMPUTE_ONLY,
     EXTRA_METHODS,
     METHOD_LABELS,
-    MODEL_PRESETS,
     WorkerSpec,
 )
+from lightning_scape.workloads import MODEL_PRESETS, free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSS_WINDOW = 10  # losses are averaged over this many steps (one rank's batch is 512 tokens: noisy)
@@ -106,12 +105,6 @@ def machine_description() -> dict[str, Any]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _tail(path: str, lines: int = 25) -> str:
     try:
         with open(path, errors="replace") as fh:
@@ -148,7 +141,7 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 def run_profile(net: Network, args: argparse.Namespace, methods: list[str], prof_dir: str) -> dict[str, Any]:
     """Start one worker per host of ``net`` (set up), wait for them, return their per-rank records."""
     os.makedirs(prof_dir, exist_ok=True)
-    port = 29500 if net.emulated else _free_port()
+    port = 29500 if net.emulated else free_port()
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[str] = []
     try:

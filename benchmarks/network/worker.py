@@ -37,24 +37,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_scape import AdamS, ProcessGroupCommunicator, ScapeConfig, ScapeEngine
 from lightning_scape.comm import KIND_DENSE, ByteCounters
-from lightning_scape.demo import (
-    DEMO_MODEL_SHAPE,
-    build_demo_model,
+from lightning_scape.workloads import (
+    build_model,
+    corpus_tokens,
     lm_loss,
-    load_tokens,
     sample_batch,
     weight_decay_groups,
 )
 
-# litgpt GPT shapes (byte-level, vocabulary 256). "base" is what the published numbers use: on this
-# 2-core VM one rank's step on 4 x 128 tokens takes 0.40-0.43 s (compute-only, docs/benchmarks.md), while
-# DDP's fp32 all-reduce of its 4.88M gradients (19.5 MB) needs 0.17 s of wire at 1 Gbit/s: communication
-# is 0.4 of the compute there, and 4 times it at 100 Mbit/s.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "intermediate_size": 172},  # 0.1M: smoke test
-    "small": dict(DEMO_MODEL_SHAPE),  # 0.86M, the README demo's model: W = 4
-    "base": {"n_layer": 6, "n_head": 4, "n_embd": 256, "intermediate_size": 688},  # 4.88M: W = 2
-}
+# The model is one of lightning_scape.workloads.MODEL_PRESETS (WorkerSpec.model names it). "base" is what the
+# published W = 2 numbers use: on this 2-core VM one rank's step on 4 x 128 tokens takes 0.40-0.43 s
+# (compute-only, docs/benchmarks.md), while DDP's fp32 all-reduce of its 4.88M gradients (19.5 MB) needs
+# 0.17 s of wire at 1 Gbit/s: communication is 0.4 of the compute there, and 4 times it at 100 Mbit/s.
+# "small" (0.86M, the README demo's model) is the W = 4 one, "tiny" (0.13M) the smoke test's.
 
 COMPUTE_ONLY = "compute_only"
 DDP_METHODS = ("ddp_adamw", "ddp_adams", "ddp_bf16", "ddp_powersgd")
@@ -127,13 +122,6 @@ class MethodRecord:
     sent_by_kind: list[dict[str, int]] = field(default_factory=list)
     tx: list[int] = field(default_factory=list)
     rx: list[int] = field(default_factory=list)
-
-
-def build_model(preset: str, block_size: int, seed: int) -> nn.Module:
-    """A byte-level litgpt GPT of the given preset, initialised from ``seed`` (identical on every rank)."""
-    if preset not in MODEL_PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {list(MODEL_PRESETS)}.")
-    return build_demo_model(block_size, 256, shape=MODEL_PRESETS[preset], seed=seed)
 
 
 def lr_at(step: int, spec: WorkerSpec) -> float:
@@ -269,7 +257,7 @@ class ComputeOnly(Method):
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.name = COMPUTE_ONLY
-        self.model = build_model(spec.model, spec.block_size, spec.seed)
+        self.model = build_model(spec.block_size, preset=spec.model, seed=spec.seed)
         self.opt = torch.optim.AdamW(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
         self.max_grad_norm = spec.max_grad_norm
         self.counters = None
@@ -282,7 +270,7 @@ class DDPMethod(Method):
     def __init__(self, name: str, spec: WorkerSpec, world_size: int) -> None:
         self.name = name
         self.world_size = world_size
-        self.model = build_model(spec.model, spec.block_size, spec.seed)
+        self.model = build_model(spec.block_size, preset=spec.model, seed=spec.seed)
         # Gradients as views into DDP's buckets: no copy in or out of the buckets (PyTorch's advice).
         self.ddp = DistributedDataParallel(self.model, gradient_as_bucket_view=True, bucket_cap_mb=BUCKET_CAP_MB)
         hook: Callable[..., Any]
@@ -340,7 +328,7 @@ class ScapeMethod(Method):
     def __init__(self, name: str, spec: WorkerSpec, world_size: int) -> None:
         self.name = name
         self.world_size = world_size
-        self.model = build_model(spec.model, spec.block_size, spec.seed)
+        self.model = build_model(spec.block_size, preset=spec.model, seed=spec.seed)
         density = 0.01 if "d0.01" in name else 0.1
         self.config = ScapeConfig(
             density=density,
@@ -401,7 +389,7 @@ def run(spec: WorkerSpec) -> dict[str, Any]:
     """Train every method of ``spec`` on this rank; returns the per-step records and static facts."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dist.all_reduce = _COUNTER  # count DDP hooks' traffic (see _AllReduceCounter)
-    tokens, _ = load_tokens(spec.max_bytes)  # the first 90% of the stdlib bytes
+    tokens, _ = corpus_tokens("stdlib", spec.max_bytes)  # the train split of the first max_bytes of stdlib source
     methods = [make_method(name, spec, world_size) for name in spec.methods]
     records = {m.name: MethodRecord() for m in methods}
     gen = torch.Generator().manual_seed(1234 + rank)
