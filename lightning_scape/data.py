@@ -76,6 +76,9 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_scape" / "text"
 
 
+# ---------------------------------------------------------------------- corpus: listing, reading, splitting
+
+
 @dataclass(frozen=True)
 class _Source:
     """One candidate file: where it is, its split key and what identifies its content for the cache."""
@@ -94,6 +97,45 @@ class _Corpus:
     root: Path
     sources: list[_Source]
     unlisted: list[tuple[str, str]] = field(default_factory=list)  # (path, error) of unreadable folders/files
+
+    @classmethod
+    def scan(cls, path: Path | None) -> _Corpus:
+        """Every candidate file, sorted by relative path, with its size and modification time (no reading).
+
+        Args:
+            path: A folder (listed recursively) or one file; None: the standard library's ``.py`` sources.
+        """
+        stdlib = path is None
+        if path is None:
+            root = stdlib_root()
+        elif path.is_file():
+            resolved = path.resolve()
+            st = resolved.stat()
+            return cls(resolved.parent, [_Source(resolved, resolved.name, st.st_size, st.st_mtime_ns, st.st_mode)])
+        else:
+            root = path
+        root = root.resolve()
+        corpus = cls(root, [])
+
+        def on_error(err: OSError) -> None:
+            corpus.unlisted.append((str(err.filename), err.strerror or str(err)))
+
+        for folder, dirs, files in os.walk(root, onerror=on_error):
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (stdlib and d in STDLIB_EXCLUDED_DIRS))
+            for name in files:
+                if name.startswith(".") or (stdlib and not name.endswith(".py")):
+                    continue
+                file = Path(folder) / name
+                try:
+                    st = file.stat()
+                except OSError as err:  # a dangling link, or a file that vanished since the listing
+                    corpus.unlisted.append((str(file), err.strerror or str(err)))
+                    continue
+                if stat.S_ISREG(st.st_mode):  # FIFOs and devices would block or never end
+                    rel = file.relative_to(root).as_posix()
+                    corpus.sources.append(_Source(file, rel, st.st_size, st.st_mtime_ns, st.st_mode))
+        corpus.sources.sort(key=lambda s: s.rel)
+        return corpus
 
 
 def _read_file(path: Path, limit: int) -> bytes:
@@ -131,6 +173,99 @@ def _as_text(data: bytes, truncated: bool) -> bytes | None:
             return None
         data = data[: err.start]
     return data
+
+
+def _read_documents(
+    corpus: _Corpus, where: str, max_bytes: int | None
+) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
+    """The text files' bytes in sorted order, up to ``max_bytes``, and counts of what was skipped.
+
+    Args:
+        corpus: The listed files.
+        where: The corpus as the error messages name it.
+        max_bytes: Read at most this many bytes of text, the last file cut at a character boundary; None: all.
+
+    Raises:
+        ValueError: There are no files, or none of them is readable UTF-8 text.
+        PermissionError: Every file is unreadable.
+    """
+    if not corpus.sources and not corpus.unlisted:
+        raise ValueError(
+            f"TextFolder: no files under {where} (hidden files and folders are skipped). "
+            "Point data.init_args.path at a folder or file of text."
+        )
+    docs: list[tuple[str, bytes]] = []
+    unreadable = list(corpus.unlisted)
+    binary = empty = 0
+    left = max_bytes
+    for source in corpus.sources:
+        if left is not None and left <= 0:
+            break
+        try:
+            data = _read_file(source.path, -1 if left is None else left)
+        except OSError as err:
+            unreadable.append((str(source.path), err.strerror or str(err)))
+            continue
+        text = _as_text(data, truncated=left is not None and len(data) == left)
+        if text is None:
+            binary += 1
+        elif not text:
+            empty += 1
+        else:
+            docs.append((source.rel, text))
+            if left is not None:
+                left -= len(data)
+    if unreadable:
+        names = ", ".join(f"{p} ({e})" for p, e in unreadable[:5])
+        more = f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
+        if not docs and binary == 0 and empty == 0:
+            raise PermissionError(
+                f"TextFolder: every file under {where} is unreadable, e.g. {names}{more}. "
+                "Check the permissions, or point data.init_args.path elsewhere."
+            )
+        warnings.warn(
+            f"TextFolder: skipped {len(unreadable)} unreadable file(s) or folder(s): {names}{more}", stacklevel=2
+        )
+    if not docs:
+        raise ValueError(
+            f"TextFolder: no readable text files under {where}: {binary} skipped as binary (a NUL byte in "
+            f"the first {SNIFF_BYTES} bytes, or not UTF-8), {empty} empty, {len(unreadable)} unreadable. "
+            "Point data.init_args.path at UTF-8 text."
+        )
+    stats = {"skipped_binary": binary, "skipped_empty": empty, "skipped_unreadable": len(unreadable)}
+    return docs, stats
+
+
+def _split_documents(
+    docs: list[tuple[str, bytes]], val_fraction: float
+) -> tuple[list[tuple[bytes, bool]], list[tuple[bytes, bool]], str]:
+    """(train pieces, val pieces, mode): pieces are (text, ends_a_document); mode is "files" or "stream"."""
+    is_val = [_split_fraction(rel) < val_fraction for rel, _ in docs]
+    if any(is_val) and not all(is_val):
+        train = [(d, True) for (_, d), v in zip(docs, is_val, strict=True) if not v]
+        val = [(d, True) for (_, d), v in zip(docs, is_val, strict=True) if v]
+        return train, val, "files"
+    # Too few files for a file-level split: cut the concatenated text, the last val_fraction is validation.
+    # Cutting the text (not the tokens) keeps the BPE from ever seeing validation text.
+    total = sum(len(d) for _, d in docs)
+    cut = int(total * (1.0 - val_fraction))
+    train_pieces: list[tuple[bytes, bool]] = []
+    val_pieces: list[tuple[bytes, bool]] = []
+    offset = 0
+    for _, data in docs:
+        if offset + len(data) <= cut:
+            train_pieces.append((data, True))
+        elif offset >= cut:
+            val_pieces.append((data, True))
+        else:
+            k = _char_boundary(data, cut - offset)
+            train_pieces.append((data[:k], False))
+            val_pieces.append((data[k:], True))
+        offset += len(data)
+    return train_pieces, val_pieces, "stream"
+
+
+# ------------------------------------------------------------------------- token windows and the DataModule
 
 
 class TokenWindows(Dataset[torch.Tensor]):
@@ -316,7 +451,7 @@ class TextFolder(DataModule):
         """
         if self.tokenizer == "byte":
             return None
-        entry = self._loaded[0] if self._loaded is not None else self._entry_dir(self._list_corpus())
+        entry = self._loaded[0] if self._loaded is not None else self._token_cache().entry_dir(self._list_corpus())
         return entry / "tokenizer.json"
 
     def token_splits(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,7 +498,7 @@ class TextFolder(DataModule):
         Safe to call from every rank at once. When :meth:`connect` was called, also checks that both splits
         hold at least one window, so a too-small corpus fails here rather than mid-run.
         """
-        entry = self._ensure_entry()
+        entry = self._token_cache().ensure_entry()
         if self.max_seq_length is not None:
             meta = json.loads((entry / "meta.json").read_text())
             self._check_fits(meta["train_tokens"], meta["val_tokens"])
@@ -440,19 +575,71 @@ class TextFolder(DataModule):
 
     # ----------------------------------------------------------------------------------------------- cache
 
+    def _token_cache(self) -> _TokenCache:
+        """The token cache of the current settings (made afresh each time: the settings are plain fields)."""
+        return _TokenCache(
+            path=self.path,
+            tokenizer=self.tokenizer,
+            vocab_size=self.vocab_size_bound,
+            val_fraction=self.val_fraction,
+            max_bytes=self.max_bytes,
+            cache_dir=self.cache_dir,
+        )
+
+    def _list_corpus(self) -> _Corpus:
+        """The corpus as listed now: every candidate file with its size and modification time (no reading)."""
+        return _Corpus.scan(self.path)
+
     def _splits(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The cached (train, val) tensors in their stored dtype, loaded once per cache entry."""
-        entry = self._ensure_entry()
+        entry = self._token_cache().ensure_entry()
         if self._loaded is None or self._loaded[0] != entry:
             train = torch.load(entry / "train.pt", mmap=True, weights_only=True)
             val = torch.load(entry / "val.pt", mmap=True, weights_only=True)
             self._loaded = (entry, train, val)
         return self._loaded[1], self._loaded[2]
 
-    def _ensure_entry(self) -> Path:
-        """The cache entry of the current corpus and settings, built first if missing or incomplete."""
-        corpus = self._list_corpus()
-        entry = self._entry_dir(corpus)
+
+# ---------------------------------------------------------------------------------------------- token cache
+
+
+@dataclass(frozen=True)
+class _TokenCache:
+    """The on-disk token cache of one corpus and its settings: naming, checking and building its entry.
+
+    An entry is a folder ``{tokenizer}-{hash}`` under ``cache_dir`` holding ``train.pt``, ``val.pt``, for "bpe"
+    ``tokenizer.json``, and ``meta.json``, written last. The hash covers the listed files (relative paths,
+    sizes, modification times, permission bits), the root, every setting below and :data:`FORMAT_VERSION`.
+    An entry is built in a temporary folder and renamed into place, so it only ever appears complete.
+    """
+
+    path: Path | None  # TextFolder's path; None: the standard library's sources
+    tokenizer: TokenizerKind
+    vocab_size: int  # the ids the tokens use: 256 for "byte", the BPE vocabulary size for "bpe"
+    val_fraction: float
+    max_bytes: int | None
+    cache_dir: Path | None  # None: default_cache_dir()
+
+    def entry_dir(self, corpus: _Corpus) -> Path:
+        """Where the entry of ``corpus`` (as listed now) and these settings lives, built or not."""
+        payload = {
+            "format": FORMAT_VERSION,
+            "root": str(corpus.root),
+            "stdlib_default": self.path is None,
+            "files": [[s.rel, s.size, s.mtime_ns, s.mode] for s in corpus.sources],
+            "max_bytes": self.max_bytes,
+            "tokenizer": self.tokenizer,
+            "vocab_size": self.vocab_size,
+            "val_fraction": self.val_fraction,
+        }
+        key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8", "surrogateescape")).hexdigest()
+        cache = self.cache_dir if self.cache_dir is not None else default_cache_dir()
+        return cache / f"{self.tokenizer}-{key[:24]}"
+
+    def ensure_entry(self) -> Path:
+        """The entry of the current corpus and settings, built first if missing or incomplete."""
+        corpus = _Corpus.scan(self.path)
+        entry = self.entry_dir(corpus)
         if _entry_complete(entry, self.tokenizer):
             return entry
         if entry.exists():
@@ -465,136 +652,11 @@ class TextFolder(DataModule):
         self._build(corpus, entry)
         return entry
 
-    def _entry_dir(self, corpus: _Corpus) -> Path:
-        payload = {
-            "format": FORMAT_VERSION,
-            "root": str(corpus.root),
-            "stdlib_default": self.path is None,
-            "files": [[s.rel, s.size, s.mtime_ns, s.mode] for s in corpus.sources],
-            "max_bytes": self.max_bytes,
-            "tokenizer": self.tokenizer,
-            "vocab_size": self.vocab_size_bound,
-            "val_fraction": self.val_fraction,
-        }
-        key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8", "surrogateescape")).hexdigest()
-        cache = self.cache_dir if self.cache_dir is not None else default_cache_dir()
-        return cache / f"{self.tokenizer}-{key[:24]}"
-
-    def _list_corpus(self) -> _Corpus:
-        """Every candidate file, sorted by relative path, with its size and modification time (no reading)."""
-        stdlib = self.path is None
-        if self.path is None:
-            root = stdlib_root()
-        elif self.path.is_file():
-            resolved = self.path.resolve()
-            st = resolved.stat()
-            return _Corpus(resolved.parent, [_Source(resolved, resolved.name, st.st_size, st.st_mtime_ns, st.st_mode)])
-        else:
-            root = self.path
-        root = root.resolve()
-        corpus = _Corpus(root, [])
-
-        def on_error(err: OSError) -> None:
-            corpus.unlisted.append((str(err.filename), err.strerror or str(err)))
-
-        for folder, dirs, files in os.walk(root, onerror=on_error):
-            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not (stdlib and d in STDLIB_EXCLUDED_DIRS))
-            for name in files:
-                if name.startswith(".") or (stdlib and not name.endswith(".py")):
-                    continue
-                path = Path(folder) / name
-                try:
-                    st = path.stat()
-                except OSError as err:  # a dangling link, or a file that vanished since the listing
-                    corpus.unlisted.append((str(path), err.strerror or str(err)))
-                    continue
-                if stat.S_ISREG(st.st_mode):  # FIFOs and devices would block or never end
-                    rel = path.relative_to(root).as_posix()
-                    corpus.sources.append(_Source(path, rel, st.st_size, st.st_mtime_ns, st.st_mode))
-        corpus.sources.sort(key=lambda s: s.rel)
-        return corpus
-
-    # ----------------------------------------------------------------------------------------------- build
-
-    def _read_documents(self, corpus: _Corpus) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
-        """The text files' bytes in sorted order, up to ``max_bytes``, and counts of what was skipped."""
-        where = str(self.path) if self.path is not None else f"{corpus.root} (the standard library's sources)"
-        if not corpus.sources and not corpus.unlisted:
-            raise ValueError(
-                f"TextFolder: no files under {where} (hidden files and folders are skipped). "
-                "Point data.init_args.path at a folder or file of text."
-            )
-        docs: list[tuple[str, bytes]] = []
-        unreadable = list(corpus.unlisted)
-        binary = empty = 0
-        left = self.max_bytes
-        for source in corpus.sources:
-            if left is not None and left <= 0:
-                break
-            try:
-                data = _read_file(source.path, -1 if left is None else left)
-            except OSError as err:
-                unreadable.append((str(source.path), err.strerror or str(err)))
-                continue
-            text = _as_text(data, truncated=left is not None and len(data) == left)
-            if text is None:
-                binary += 1
-            elif not text:
-                empty += 1
-            else:
-                docs.append((source.rel, text))
-                if left is not None:
-                    left -= len(data)
-        if unreadable:
-            names = ", ".join(f"{p} ({e})" for p, e in unreadable[:5])
-            more = f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
-            if not docs and binary == 0 and empty == 0:
-                raise PermissionError(
-                    f"TextFolder: every file under {where} is unreadable, e.g. {names}{more}. "
-                    "Check the permissions, or point data.init_args.path elsewhere."
-                )
-            warnings.warn(
-                f"TextFolder: skipped {len(unreadable)} unreadable file(s) or folder(s): {names}{more}", stacklevel=2
-            )
-        if not docs:
-            raise ValueError(
-                f"TextFolder: no readable text files under {where}: {binary} skipped as binary (a NUL byte in "
-                f"the first {SNIFF_BYTES} bytes, or not UTF-8), {empty} empty, {len(unreadable)} unreadable. "
-                "Point data.init_args.path at UTF-8 text."
-            )
-        stats = {"skipped_binary": binary, "skipped_empty": empty, "skipped_unreadable": len(unreadable)}
-        return docs, stats
-
-    def _split(self, docs: list[tuple[str, bytes]]) -> tuple[list[tuple[bytes, bool]], list[tuple[bytes, bool]], str]:
-        """(train pieces, val pieces, mode): pieces are (text, ends_a_document); mode is "files" or "stream"."""
-        is_val = [_split_fraction(rel) < self.val_fraction for rel, _ in docs]
-        if any(is_val) and not all(is_val):
-            train = [(d, True) for (_, d), v in zip(docs, is_val, strict=True) if not v]
-            val = [(d, True) for (_, d), v in zip(docs, is_val, strict=True) if v]
-            return train, val, "files"
-        # Too few files for a file-level split: cut the concatenated text, the last val_fraction is validation.
-        # Cutting the text (not the tokens) keeps the BPE from ever seeing validation text.
-        total = sum(len(d) for _, d in docs)
-        cut = int(total * (1.0 - self.val_fraction))
-        train_pieces: list[tuple[bytes, bool]] = []
-        val_pieces: list[tuple[bytes, bool]] = []
-        offset = 0
-        for _, data in docs:
-            if offset + len(data) <= cut:
-                train_pieces.append((data, True))
-            elif offset >= cut:
-                val_pieces.append((data, True))
-            else:
-                k = _char_boundary(data, cut - offset)
-                train_pieces.append((data[:k], False))
-                val_pieces.append((data[k:], True))
-            offset += len(data)
-        return train_pieces, val_pieces, "stream"
-
     def _build(self, corpus: _Corpus, entry: Path) -> None:
         """Read, split, tokenize and save into a temporary folder, then rename it to ``entry`` atomically."""
         start = time.perf_counter()
-        docs, stats = self._read_documents(corpus)
+        where = str(self.path) if self.path is not None else f"{corpus.root} (the standard library's sources)"
+        docs, stats = _read_documents(corpus, where, self.max_bytes)
         n_bytes = sum(len(d) for _, d in docs)
         print(
             f"TextFolder: tokenizing {len(docs)} files ({n_bytes / 1e6:.1f} MB) with the {self.tokenizer} "
@@ -602,21 +664,11 @@ class TextFolder(DataModule):
             file=sys.stderr,
             flush=True,
         )
-        train_pieces, val_pieces, mode = self._split(docs)
+        train_pieces, val_pieces, mode = _split_documents(docs, self.val_fraction)
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
         try:
-            if self.tokenizer == "byte":
-                train, val = _byte_tokens(train_pieces), _byte_tokens(val_pieces)
-                trained_vocab = 256
-            else:
-                bpe = _train_bpe(train_pieces, self.vocab_size)
-                (tmp / "tokenizer.json").write_text(bpe.to_str(), encoding="utf-8")
-                train, val = (
-                    _bpe_tokens(bpe, train_pieces, self.vocab_size),
-                    _bpe_tokens(bpe, val_pieces, self.vocab_size),
-                )
-                trained_vocab = bpe.get_vocab_size()
+            train, val, trained_vocab = self._tokenize(train_pieces, val_pieces, tmp)
             torch.save(train, tmp / "train.pt")
             torch.save(val, tmp / "val.pt")
             meta = {
@@ -644,10 +696,26 @@ class TextFolder(DataModule):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _tokenize(
+        self, train_pieces: list[tuple[bytes, bool]], val_pieces: list[tuple[bytes, bool]], folder: Path
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The (train, val) tokens and the vocabulary size they use; a BPE is saved as ``folder/tokenizer.json``."""
+        if self.tokenizer == "byte":
+            return _byte_tokens(train_pieces), _byte_tokens(val_pieces), 256
+        # The BPE is trained on the train split only, so it never sees validation text.
+        bpe = _train_bpe(train_pieces, self.vocab_size)
+        (folder / "tokenizer.json").write_text(bpe.to_str(), encoding="utf-8")
+        train = _bpe_tokens(bpe, train_pieces, self.vocab_size)
+        val = _bpe_tokens(bpe, val_pieces, self.vocab_size)
+        return train, val, bpe.get_vocab_size()
+
 
 def _entry_complete(entry: Path, kind: str) -> bool:
     names = ["train.pt", "val.pt", "meta.json"] + (["tokenizer.json"] if kind == "bpe" else [])
     return all((entry / n).is_file() for n in names)
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers
 
 
 def _byte_tokens(pieces: list[tuple[bytes, bool]]) -> torch.Tensor:

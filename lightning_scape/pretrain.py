@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from jsonargparse import ArgumentParser
     from litgpt.config import Config
     from litgpt.data import DataModule
+    from litgpt.tokenizer import Tokenizer
 
 # litgpt's own pretraining defaults (``litgpt.pretrain.setup``).
 LITGPT_TRAIN_DEFAULTS = TrainArgs(
@@ -126,40 +127,92 @@ def pretrain(
         _hyperparameters: The parsed command line, written to each checkpoint's ``hyperparameters.yaml``
             (filled in by the command line).
     """
-    import lightning as L
     from litgpt import pretrain as litgpt_pretrain
-    from litgpt.config import Config
+
+    recipe = _resolve_recipe(
+        model_name=model_name,
+        model_config=model_config,
+        out_dir=out_dir,
+        precision=precision,
+        initial_checkpoint_dir=initial_checkpoint_dir,
+        data=data,
+        train=train,
+        accelerator=accelerator,
+        devices=devices,
+        tokenizer_dir=tokenizer_dir,
+    )
+    fabric, comm_logger = _launch_fabric(
+        recipe,
+        accelerator=accelerator,
+        num_nodes=num_nodes,
+        resume=resume,
+        train=train,
+        log=log,
+        logger_name=logger_name,
+        scape=scape,
+        process_group_backend=process_group_backend,
+        comm_log_interval=comm_log_interval,
+        hyperparameters=_hyperparameters,
+    )
+    with _litgpt_adapted(litgpt_pretrain, compile=compile, hyperparameters=_hyperparameters, data=recipe.data):
+        litgpt_pretrain.main(
+            fabric=fabric,
+            devices=recipe.n_devices,
+            num_nodes=num_nodes,
+            seed=seed,
+            initial_checkpoint_dir=recipe.initial_checkpoint_dir,
+            resume=resume,
+            config=recipe.model_config,
+            data=recipe.data,
+            out_dir=recipe.out_dir,
+            tokenizer_dir=recipe.tokenizer_dir,
+            tokenizer=recipe.tokenizer,
+            train=train,
+            eval=eval,
+            optimizer=optimizer,
+        )
+    comm_logger.report_total()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """The recipe's values once resolved and checked: what Fabric and litgpt's loop are built from."""
+
+    model_config: Config
+    data: DataModule
+    precision: str  # one of PRECISIONS
+    initial_checkpoint_dir: Path | None
+    tokenizer_dir: Path | None
+    n_devices: int
+    out_dir: Path
+    tokenizer: Tokenizer | None  # loaded from tokenizer_dir
+
+
+def _resolve_recipe(
+    *,
+    model_name: str | None,
+    model_config: Config | None,
+    out_dir: Path,
+    precision: str | None,
+    initial_checkpoint_dir: Path | None,
+    data: DataModule | None,
+    train: TrainArgs,
+    accelerator: str,
+    devices: int | str,
+    tokenizer_dir: Path | None,
+) -> _Recipe:
+    """Fill in the defaults of :func:`pretrain`'s arguments and refuse what cannot work, before any launch.
+
+    Raises:
+        RecipeError: No or an unknown model, ``train.max_steps`` set, ``tokenizer_dir`` with a TextFolder, token
+            ids the model's embedding cannot hold, or a precision SCAPE does not train in.
+    """
     from litgpt.tokenizer import Tokenizer
-    from litgpt.utils import choose_logger, extend_checkpoint_dir, init_out_dir, parse_devices
+    from litgpt.utils import extend_checkpoint_dir, init_out_dir, parse_devices
 
-    from lightning_scape.strategy import ScapeStrategy
-
-    if model_config is None:
-        if model_name is None:
-            raise RecipeError("Set model_name (a litgpt config name, e.g. pythia-14m) or model_config in the recipe.")
-        try:
-            model_config = Config.from_name(model_name)
-        except ValueError as exc:
-            raise RecipeError(
-                f"model_name={model_name!r} is not a litgpt config name ({exc}). Run `litgpt pretrain list` for "
-                "the names, or define model_config in the recipe."
-            ) from exc
-    if train.max_steps is not None:
-        seq = train.max_seq_length or model_config.block_size
-        raise RecipeError(
-            f"train.max_steps={train.max_steps} would be ignored: litgpt's pretraining loop stops on "
-            f"train.max_tokens. Unset max_steps and set --train.max_tokens "
-            f"{train.max_steps * train.global_batch_size * seq} (= max_steps x global_batch_size x {seq} tokens)."
-        )
-    from lightning_scape.data import TextFolder
-
-    if data is None:
-        data = TextFolder()
-    if tokenizer_dir is not None and isinstance(data, TextFolder):
-        raise RecipeError(
-            "tokenizer_dir is set, but the TextFolder data module trains its own tokenizer (data.init_args."
-            "tokenizer: byte or bpe). Unset tokenizer_dir, or use a litgpt data module that takes a tokenizer."
-        )
+    model_config = _model_config(model_name, model_config)
+    _refuse_max_steps(train, model_config)
+    data = _data_module(data, tokenizer_dir)
     check_vocab(data, model_config)
     if initial_checkpoint_dir is not None:
         initial_checkpoint_dir = extend_checkpoint_dir(initial_checkpoint_dir)
@@ -171,11 +224,84 @@ def pretrain(
     n_devices = parse_devices(devices) if accelerator != "cpu" or devices != "auto" else 1
     out_dir = init_out_dir(out_dir)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    return _Recipe(
+        model_config=model_config,
+        data=data,
+        precision=precision,
+        initial_checkpoint_dir=initial_checkpoint_dir,
+        tokenizer_dir=tokenizer_dir,
+        n_devices=n_devices,
+        out_dir=out_dir,
+        tokenizer=tokenizer,
+    )
+
+
+def _model_config(model_name: str | None, model_config: Config | None) -> Config:
+    """``model_config`` if set, else litgpt's config named ``model_name``."""
+    from litgpt.config import Config
+
+    if model_config is not None:
+        return model_config
+    if model_name is None:
+        raise RecipeError("Set model_name (a litgpt config name, e.g. pythia-14m) or model_config in the recipe.")
+    try:
+        return Config.from_name(model_name)
+    except ValueError as exc:
+        raise RecipeError(
+            f"model_name={model_name!r} is not a litgpt config name ({exc}). Run `litgpt pretrain list` for "
+            "the names, or define model_config in the recipe."
+        ) from exc
+
+
+def _refuse_max_steps(train: TrainArgs, model_config: Config) -> None:
+    """litgpt's loop ignores ``train.max_steps``: refuse it, giving the ``max_tokens`` that would stop there."""
+    if train.max_steps is not None:
+        seq = train.max_seq_length or model_config.block_size
+        raise RecipeError(
+            f"train.max_steps={train.max_steps} would be ignored: litgpt's pretraining loop stops on "
+            f"train.max_tokens. Unset max_steps and set --train.max_tokens "
+            f"{train.max_steps * train.global_batch_size * seq} (= max_steps x global_batch_size x {seq} tokens)."
+        )
+
+
+def _data_module(data: DataModule | None, tokenizer_dir: Path | None) -> DataModule:
+    """``data``, by default a TextFolder on the standard library's sources; refuse a tokenizer it would ignore."""
+    from lightning_scape.data import TextFolder
+
+    if data is None:
+        data = TextFolder()
+    if tokenizer_dir is not None and isinstance(data, TextFolder):
+        raise RecipeError(
+            "tokenizer_dir is set, but the TextFolder data module trains its own tokenizer (data.init_args."
+            "tokenizer: byte or bpe). Unset tokenizer_dir, or use a litgpt data module that takes a tokenizer."
+        )
+    return data
+
+
+def _launch_fabric(
+    recipe: _Recipe,
+    *,
+    accelerator: str,
+    num_nodes: int,
+    resume: bool | Literal["auto"] | Path,
+    train: TrainArgs,
+    log: LogArgs,
+    logger_name: str,
+    scape: ScapeConfig,
+    process_group_backend: Literal["nccl", "gloo"] | None,
+    comm_log_interval: int,
+    hyperparameters: dict[str, Any] | None,
+) -> tuple[L.Fabric, _CommunicationLogger]:
+    """Fabric with the SCAPE strategy, litgpt's logger and the communication logger, launched on every process."""
+    import lightning as L
+    from litgpt.utils import choose_logger
+
+    from lightning_scape.strategy import ScapeStrategy
 
     logger = choose_logger(
         logger_name,
-        out_dir,
-        name=f"pretrain-{model_config.name}",
+        recipe.out_dir,
+        name=f"pretrain-{recipe.model_config.name}",
         resume=bool(resume),
         log_interval=train.log_interval,
         log_args=dataclasses.asdict(log),
@@ -184,37 +310,19 @@ def pretrain(
     strategy = ScapeStrategy(config=scape, process_group_backend=process_group_backend)
     fabric = L.Fabric(
         accelerator=accelerator,
-        devices=n_devices,
+        devices=recipe.n_devices,
         num_nodes=num_nodes,
         strategy=strategy,
-        precision=precision,  # type: ignore[arg-type]  # one of PRECISIONS, checked above
+        precision=recipe.precision,  # type: ignore[arg-type]  # one of PRECISIONS, checked by _resolve_recipe
         loggers=[logger],
         callbacks=[comm_logger],
     )
     fabric.launch()
     comm_logger.fabric = fabric
     fabric.print(f"SCAPE: {scape.to_dict()}")
-    if _hyperparameters is not None and logger_name in ("tensorboard", "wandb", "mlflow"):
-        fabric.logger.log_hyperparams(_hyperparameters)
-
-    with _litgpt_adapted(litgpt_pretrain, compile=compile, hyperparameters=_hyperparameters, data=data):
-        litgpt_pretrain.main(
-            fabric=fabric,
-            devices=n_devices,
-            num_nodes=num_nodes,
-            seed=seed,
-            initial_checkpoint_dir=initial_checkpoint_dir,
-            resume=resume,
-            config=model_config,
-            data=data,
-            out_dir=out_dir,
-            tokenizer_dir=tokenizer_dir,
-            tokenizer=tokenizer,
-            train=train,
-            eval=eval,
-            optimizer=optimizer,
-        )
-    comm_logger.report_total()
+    if hyperparameters is not None and logger_name in ("tensorboard", "wandb", "mlflow"):
+        fabric.logger.log_hyperparams(hyperparameters)
+    return fabric, comm_logger
 
 
 def default_precision(accelerator: str) -> str:
