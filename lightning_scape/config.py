@@ -82,9 +82,6 @@ class ScapeConfig:
     exploration: float = 0.1
     unmasked_update: UnmaskedUpdate = "frozen"
     staleness_correction: bool = False
-    # Defaults from benchmarks/quality.py (W=2, d=0.01, 300 steps, docs/algorithm.md section 7): catch-up
-    # with cap 32 reached validation loss 2.065 against 2.293 without it (dense AdamS: 1.838); caps 8, 64
-    # and 128 gave 2.096, 2.098 and 2.088.
     catch_up: bool = True
     catch_up_cap: float = 32.0
     sparse_lr_scale: float = 1.0
