@@ -4,7 +4,7 @@ The two adapters (``lightning_scape/strategy.py`` for Fabric, ``lightning_scape/
 the Trainer) route Lightning's calls to the engine through these helpers: the SCAPE options a strategy
 accepts, the process-group timeout, building the optimizer and its engine, rank 0's weights at set-up,
 fp16 loss scaling, and the strategy registry. The algorithm is :class:`~lightning_scape.engine.ScapeEngine`,
-the optimizer :mod:`lightning_scape.optimizer`, the checkpoint files :mod:`lightning_scape.checkpoint`.
+the optimizer :mod:`lightning_scape.optimizer`, the checkpoint files :mod:`lightning_scape.checkpoints`.
 """
 
 from __future__ import annotations

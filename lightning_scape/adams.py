@@ -1,4 +1,4 @@
-"""AdamS: Adam whose second moment is rebuilt from the momentum each step (SCAPE_SPEC section 2).
+"""AdamS: Adam whose second moment is rebuilt from the momentum each step (``docs/algorithm.md`` section 2).
 
 AdamS keeps one state tensor, the first moment m. Its second-moment term is
 

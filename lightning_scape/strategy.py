@@ -1,7 +1,8 @@
 """``ScapeStrategy`` for Lightning Fabric: DDP's processes and cluster handling, SCAPE's communication.
 
-A thin adapter: the engine (``lightning_scape/engine.py``) holds the algorithm and ``lightning_scape/_wiring.py``
-what this strategy shares with the Trainer's (``lightning_scape/pytorch/strategy.py``).
+A thin adapter: the engine (``lightning_scape/engine/``) holds the algorithm. What this strategy shares with the
+Trainer's (``lightning_scape/pytorch/strategy.py``) lives in ``lightning_scape/optimizer.py`` (the optimizer),
+``lightning_scape/checkpoints.py`` (the checkpoint files) and ``lightning_scape/_wiring.py`` (the rest).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class ScapeStrategy(DDPStrategy):
     in Lightning's ``DDPStrategy``, but the model is not wrapped in ``DistributedDataParallel``: gradients
     travel through the SCAPE engine (one sparse collective per step after the dense warm-up), and the
     optimizer returned by ``fabric.setup`` / ``fabric.setup_optimizers`` is a
-    :class:`~lightning_scape._wiring.ScapeOptimizer` whose ``step`` is the engine's step. The optimizer
+    :class:`~lightning_scape.optimizer.ScapeOptimizer` whose ``step`` is the engine's step. The optimizer
     you create must be :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``torch.optim.Adam`` (the
     last two are converted to AdamS with the same hyperparameters).
 

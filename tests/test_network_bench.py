@@ -35,7 +35,7 @@ from benchmarks.network.worker import ALL_METHODS, COMPUTE_ONLY  # noqa: E402
 
 
 def test_harness_smoke_on_loopback(tmp_path: Path) -> None:
-    """Every method of issue 6 runs 4 steps on 2 ranks; outputs exist, are marked loopback, and add up."""
+    """Every method of ``--methods all`` runs 4 steps on 2 ranks; outputs exist, are marked loopback, and add up."""
     cmd = [
         sys.executable,
         "-m",

@@ -133,7 +133,7 @@ def lr_at(step: int, spec: WorkerSpec) -> float:
 
 
 def powersgd_formula_bytes(model: nn.Module, world_size: int, rank: int = POWERSGD_RANK) -> int:
-    """Ring bytes per rank per step of PowerSGD after its warm-up (SCAPE_SPEC section 4).
+    """Ring bytes per rank per step of PowerSGD after its warm-up (ring formulas: ``docs/algorithm.md`` section 5).
 
     PowerSGD views each gradient as an ``n x m`` matrix (``n`` = first dimension) and compresses it when
     ``(n + m) r * min_compression_rate < n m`` (rate 2, the default); the rest travel uncompressed. It
@@ -248,7 +248,7 @@ class Method:
         return StepTimes(float(loss.detach()), t1 - t0, max(0.0, t1 - self._last_grad), t2 - t1, wait)
 
     def formula_bytes(self) -> int:
-        """Bytes per rank per step after warm-up, from SCAPE_SPEC section 4."""
+        """Bytes per rank per step after warm-up, from the ring formulas of ``docs/algorithm.md`` section 5."""
         return 0
 
 
@@ -359,7 +359,7 @@ class ScapeMethod(Method):
         return self.engine.counters.step_wait_s
 
     def formula_bytes(self) -> int:
-        """SCAPE_SPEC section 4 with R = 1, plus the clipping scalar (sharded)."""
+        """``docs/algorithm.md`` section 5 with R = 1, plus the clipping scalar (sharded)."""
         w, slots, b = self.world_size, self.engine.slots, 4
         if self.config.sharded:
             return (w - 1) * slots * (b + b + 2) // w + 2 * (w - 1) * 4 // w

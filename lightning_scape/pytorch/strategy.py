@@ -1,7 +1,8 @@
 """``ScapeStrategy`` for the Lightning Trainer: DDP's processes and cluster handling, SCAPE's communication.
 
-A thin adapter: the engine (``lightning_scape/engine.py``) holds the algorithm and ``lightning_scape/_wiring.py``
-what this strategy shares with Fabric's (``lightning_scape/strategy.py``).
+A thin adapter: the engine (``lightning_scape/engine/``) holds the algorithm. What this strategy shares with
+Fabric's (``lightning_scape/strategy.py``) lives in ``lightning_scape/optimizer.py`` (the optimizer),
+``lightning_scape/checkpoints.py`` (the checkpoint files) and ``lightning_scape/_wiring.py`` (the rest).
 """
 
 from __future__ import annotations
