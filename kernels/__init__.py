@@ -99,7 +99,7 @@ def select_mask(
     k_explore: int,
     explore_offset: int,
 ) -> Tensor:
-    """Score and select in one op: ``chunk_topk(mask_scores(momentum, residual, ...), ...)``.
+    """Score and select in one op: ``chunk_topk(mask_scores_ref(momentum, residual, ...), ...)``.
 
     See :func:`select_mask_ref`. fp32 state runs the fused kernel; fp64 state runs the ref (the
     score's ``b1`` would be rounded to fp32 in the kernel).

@@ -57,8 +57,6 @@ from lightning_scape.workloads import MODEL_PRESETS, free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSS_WINDOW = 10  # losses are averaged over this many steps (one rank's batch is 512 tokens: noisy)
-STEP_TIME_TARGET = 1.15  # target: SCAPE d=0.01's step within 1.15x of compute-only's at 1 Gbit/s (comm hidden)
-BYTES_TARGET = 0.10  # target: SCAPE's bytes on the wire within 10% of the ring formula (docs/algorithm.md section 5)
 SCAPE_HEADLINE = "scape_sharded_d0.01"
 DDP_HEADLINE = "ddp_adamw"
 
