@@ -11,9 +11,11 @@ from lightning_scape.kernels import MAX_CHUNK_SIZE
 
 MaskStatistic = Literal["momentum", "gradient", "random"]
 UnmaskedUpdate = Literal["frozen", "momentum"]
+RampShape = Literal["geometric", "linear"]
 
 MASK_STATISTICS: tuple[str, ...] = ("momentum", "gradient", "random")
 UNMASKED_UPDATES: tuple[str, ...] = ("frozen", "momentum")
+RAMP_SHAPES: tuple[str, ...] = ("geometric", "linear")
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,12 @@ class ScapeConfig:
             indices; use it when memory is plentiful or for ``unmasked_update="momentum"``.
         dense_warmup_steps: Optimizer steps run as dense data-parallel AdamS before the first mask.
             The momentum built there seeds the first mask; a few hundred steps (about 1% of a run) is
-            typical, 0 starts sparse at once with an all-zero statistic.
+            typical, 0 starts sparse at once with an all-zero statistic (and no density ramp).
+        density_ramp_steps: Sparse steps after the dense warm-up over which the density falls from 1 to
+            ``density`` (the ramp is part of the warm-up: with ``dense_warmup_steps=0`` there is none). A
+            mask keeps the density of the step it was built for.
+        density_ramp_shape: ``"geometric"`` (the density falls by the same factor every step) or
+            ``"linear"``.
         mask_delay: A mask built at the end of step t is used at step t + mask_delay. 1 (the paper's
             choice) lets the mask all-gather overlap a whole forward pass; 0 builds the mask from the
             current gradient inside the backward pass and waits for it (no overlap, freshest mask).
@@ -76,6 +83,8 @@ class ScapeConfig:
     chunk_size: int = 4096
     sharded: bool = True
     dense_warmup_steps: int = 100
+    density_ramp_steps: int = 0
+    density_ramp_shape: RampShape = "geometric"
     mask_delay: int = 1
     mask_refresh_interval: int = 1
     mask_statistic: MaskStatistic = "momentum"
@@ -100,7 +109,31 @@ class ScapeConfig:
     @property
     def explore_slots_per_chunk(self) -> int:
         """k_e: the round-robin exploration slots among the k_c slots of a chunk."""
-        return min(self.slots_per_chunk, round(self.exploration * self.slots_per_chunk))
+        return self.explore_slots(self.slots_per_chunk)
+
+    def explore_slots(self, k: int) -> int:
+        """The round-robin exploration slots among ``k`` slots of a chunk."""
+        return min(k, round(self.exploration * k))
+
+    def slots_at(self, step: int) -> int:
+        """The slots per chunk of the masks built for sparse step ``step`` (1-based, warm-up included).
+
+        ``slots_per_chunk``, except on the density ramp that follows a dense warm-up.
+        """
+        ramp_step = step - self.dense_warmup_steps
+        if self.dense_warmup_steps == 0 or not 0 < ramp_step < self.density_ramp_steps:
+            return self.slots_per_chunk
+        frac = ramp_step / self.density_ramp_steps
+        if self.density_ramp_shape == "geometric":
+            d = self.density**frac
+        else:
+            d = 1.0 - (1.0 - self.density) * frac
+        return min(self.chunk_size, max(self.slots_per_chunk, round(d * self.chunk_size)))
+
+    @property
+    def max_slots_per_chunk(self) -> int:
+        """The most slots per chunk any step uses (the first step of the ramp): the compact buffers' capacity."""
+        return self.slots_at(self.dense_warmup_steps + 1)
 
     @property
     def effective_density(self) -> float:
@@ -130,6 +163,10 @@ def _validate(cfg: ScapeConfig) -> None:
         )
     if not isinstance(cfg.dense_warmup_steps, int) or cfg.dense_warmup_steps < 0:
         fail(f"dense_warmup_steps={cfg.dense_warmup_steps!r} must be an integer >= 0.")
+    if not isinstance(cfg.density_ramp_steps, int) or cfg.density_ramp_steps < 0:
+        fail(f"density_ramp_steps={cfg.density_ramp_steps!r} must be an integer >= 0 (0: no ramp).")
+    if cfg.density_ramp_shape not in RAMP_SHAPES:
+        fail(f"density_ramp_shape={cfg.density_ramp_shape!r} is unknown; choose one of {RAMP_SHAPES}.")
     if not isinstance(cfg.mask_delay, int) or cfg.mask_delay < 0:
         fail(f"mask_delay={cfg.mask_delay!r} must be an integer >= 0 (1 overlaps the mask all-gather).")
     if not isinstance(cfg.mask_refresh_interval, int) or cfg.mask_refresh_interval < 1:
@@ -162,6 +199,8 @@ class ScapeOptions(TypedDict, total=False):
     chunk_size: int
     sharded: bool
     dense_warmup_steps: int
+    density_ramp_steps: int
+    density_ramp_shape: RampShape
     mask_delay: int
     mask_refresh_interval: int
     mask_statistic: MaskStatistic

@@ -33,6 +33,8 @@ class BucketState:
         gathered: ``[slots]`` sharded mode's all-gather output: every owner's new values.
         dense_shard: Sharded warm-up's reduce-scatter output (this rank's shard of the summed gradient), also
             the parameter all-gather's send buffer; allocated at the first warm-up step, freed after the last.
+        k: Slots per chunk of the step being taken (the density ramp changes it); the compact buffers are
+            views of that size into buffers allocated once for the largest k of the run.
     """
 
     def __init__(self, layout: Bucket, config: ScapeConfig, rank: int) -> None:
@@ -40,7 +42,7 @@ class BucketState:
         self.sharded = config.sharded
         dev, dt = layout.device, layout.dtype
         sdt = state_dtype_for(dt)
-        P, S, C = layout.padded_numel, layout.shard_numel, layout.chunk_size
+        P, S = layout.padded_numel, layout.shard_numel
         self.shard = slice(rank * S, (rank + 1) * S)
         self.region = self.shard if self.sharded else slice(0, P)
         region_numel = self.region.stop - self.region.start
@@ -49,14 +51,44 @@ class BucketState:
         self.residual = torch.zeros(P, dtype=sdt, device=dev)
         self.momentum = torch.zeros(region_numel, dtype=sdt, device=dev)
         self.last_sent = torch.zeros(region_numel, dtype=torch.int32, device=dev)
-        k = config.slots_per_chunk
-        self.slots = layout.chunks * k  # all ranks' slots of this bucket (its d N)
-        self.region_slots = region_numel // C * k
-        self.values = torch.zeros(self.slots, dtype=dt, device=dev)
-        self.received = torch.zeros(self.region_slots, dtype=dt, device=dev) if self.sharded else None
-        self.updated = torch.zeros(self.region_slots, dtype=dt, device=dev)
-        self.gathered = torch.zeros(self.slots, dtype=dt, device=dev) if self.sharded else None
+        self.k = config.slots_per_chunk
+        cap = config.max_slots_per_chunk
+        region_chunks = region_numel // layout.chunk_size
+        self._values = torch.zeros(layout.chunks * cap, dtype=dt, device=dev)
+        self._received = torch.zeros(region_chunks * cap, dtype=dt, device=dev) if self.sharded else None
+        self._updated = torch.zeros(region_chunks * cap, dtype=dt, device=dev)
+        self._gathered = torch.zeros(layout.chunks * cap, dtype=dt, device=dev) if self.sharded else None
         self.dense_shard: Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        """All ranks' slots of this bucket at the current k (the bucket's d N)."""
+        return self.layout.chunks * self.k
+
+    @property
+    def region_slots(self) -> int:
+        """The slots of the region at the current k."""
+        return (self.region.stop - self.region.start) // self.layout.chunk_size * self.k
+
+    @property
+    def values(self) -> Tensor:
+        """``[slots]`` this rank's compact buffer (replicated mode: all-reduced in place)."""
+        return self._values[: self.slots]
+
+    @property
+    def received(self) -> Tensor | None:
+        """``[region_slots]`` sharded mode's reduce-scatter output."""
+        return None if self._received is None else self._received[: self.region_slots]
+
+    @property
+    def updated(self) -> Tensor:
+        """``[region_slots]`` new parameter values at the region's slots."""
+        return self._updated[: self.region_slots]
+
+    @property
+    def gathered(self) -> Tensor | None:
+        """``[slots]`` sharded mode's all-gather output."""
+        return None if self._gathered is None else self._gathered[: self.slots]
 
     def adopt_grads(self) -> None:
         """Make every parameter's ``.grad`` the bucket's view (copying a gradient that autograd replaced)."""
@@ -105,8 +137,10 @@ class BucketState:
 
     def sparse_synced(self) -> Tensor:
         """Where a sparse step's summed values land: the reduce-scatter output (sharded), else in place."""
-        return self.received if self.received is not None else self.values
+        received = self.received
+        return received if received is not None else self.values
 
     def scatter_source(self) -> Tensor:
         """The new values every rank writes at the mask: all owners' (sharded), else this rank's own."""
-        return self.gathered if self.gathered is not None else self.updated
+        gathered = self.gathered
+        return gathered if gathered is not None else self.updated

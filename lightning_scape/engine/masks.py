@@ -74,11 +74,13 @@ class MaskSchedule:
 
     def begin(self) -> None:
         """The first masks (end of the dense warm-up, or construction without one)."""
-        self._queue(new=True)
+        self._queue(new=True, for_step=self.config.dense_warmup_steps + 1)
 
     def after_sparse_step(self, step: int) -> None:
         """At the end of sparse step ``step``: queue the mask of the step ``mask_delay`` steps later."""
-        self._queue(new=(step - self.config.dense_warmup_steps) % self.config.mask_refresh_interval == 0)
+        cfg = self.config
+        new = (step - cfg.dense_warmup_steps) % cfg.mask_refresh_interval == 0
+        self._queue(new, for_step=step + cfg.mask_delay)
 
     def for_launch(self, i: int, step: int) -> Tensor:
         """The mask bucket ``i`` sends with at sparse step ``step``, its all-gather waited on.
@@ -114,8 +116,11 @@ class MaskSchedule:
 
     # ---------------------------------------------------------------------------- building
 
-    def _queue(self, new: bool) -> None:
-        """Queue (a new, or the last built) mask until ``mask_delay`` masks wait beyond the one in use."""
+    def _queue(self, new: bool, for_step: int) -> None:
+        """Queue (a new, or the last built) mask until ``mask_delay`` masks wait beyond the one in use.
+
+        A new mask has the slots per chunk of ``for_step``, the first step that uses it.
+        """
         delay = self.config.mask_delay
         if delay == 0:
             return
@@ -124,7 +129,7 @@ class MaskSchedule:
             # Inside a step the queue still holds the mask in use, dropped when the step finishes.
             target = delay + (1 if queue else 0)
             if new or self.last_built[i] is None:
-                self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard])
+                self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard], for_step)
             while len(queue) < target:
                 built = self.last_built[i]
                 assert built is not None
@@ -135,17 +140,19 @@ class MaskSchedule:
         cfg, bs = self.config, self.buckets[i]
         since_warmup = step - 1 - cfg.dense_warmup_steps
         if self.last_built[i] is None or since_warmup % cfg.mask_refresh_interval == 0:
-            self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard] + bs.grads[bs.shard])
+            residual = bs.residual[bs.shard] + bs.grads[bs.shard]
+            self._build(i, bs.shard_of_region(bs.momentum), residual, step)
         queue = self.queues[i]
         queue.clear()
         built = self.last_built[i]
         assert built is not None
         queue.append(built)
 
-    def _build(self, i: int, momentum: Tensor, residual: Tensor) -> None:
-        """Score this rank's shard of bucket ``i``, pick k slots per chunk and launch the index all-gather."""
+    def _build(self, i: int, momentum: Tensor, residual: Tensor, for_step: int) -> None:
+        """Score this rank's shard of bucket ``i``, pick the slots of ``for_step`` and launch the index all-gather."""
         cfg, bs = self.config, self.buckets[i]
-        C, k, ke = bs.layout.chunk_size, cfg.slots_per_chunk, cfg.explore_slots_per_chunk
+        C, k = bs.layout.chunk_size, cfg.slots_at(for_step)
+        ke = cfg.explore_slots(k)
         offset = (self.refresh_count * ke) % C
         dev = bs.params.device
         if cfg.mask_statistic == "random":

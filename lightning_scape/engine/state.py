@@ -84,7 +84,7 @@ def check_engine_state(engine: ScapeEngine, state: Any) -> None:
             "SCAPE state has another bucket layout (model, param groups or bucket_cap_mb changed): "
             f"saved {saved_layout}, current {_layout(engine)}."
         )
-    k = engine.config.slots_per_chunk
+    k_min, k_max = engine.config.slots_per_chunk, engine.config.max_slots_per_chunk
     for i, (bs, saved) in enumerate(zip(engine.buckets, state["buckets"], strict=True)):
         for name, t in (("momentum", bs.momentum), ("residual", bs.residual), ("last_sent", bs.last_sent)):
             got = saved[name]
@@ -93,9 +93,12 @@ def check_engine_state(engine: ScapeEngine, state: Any) -> None:
                 raise ValueError(f"SCAPE state: bucket {i} {name} is {desc}, expected {(t.dtype, tuple(t.shape))}.")
         masks = list(saved["masks"]) + ([] if saved["last_built"] is None else [saved["last_built"]])
         for ix in masks:
-            if not isinstance(ix, Tensor) or ix.dtype != torch.int16 or tuple(ix.shape) != (bs.layout.chunks, k):
-                shape = (bs.layout.chunks, k)
-                raise ValueError(f"SCAPE state: bucket {i} has a mask that is not int16 of shape {shape}.")
+            fits = isinstance(ix, Tensor) and ix.dtype == torch.int16 and ix.dim() == 2
+            if not fits or ix.shape[0] != bs.layout.chunks or not k_min <= ix.shape[1] <= k_max:
+                raise ValueError(
+                    f"SCAPE state: bucket {i} has a mask that is not int16 of shape ({bs.layout.chunks}, k) with "
+                    f"{k_min} <= k <= {k_max}."
+                )
 
 
 @torch.no_grad()

@@ -97,6 +97,7 @@ class StepInFlight:
             c.count_all_reduce(KIND_DENSE, bs.layout.padded_numel, item)
             return self.comm.all_reduce_sum(bs.grads)
         mask = self.masks.for_launch(i, self.step)
+        bs.k = mask.shape[1]  # the density ramp: a mask carries the slots per chunk of its step
         if self.skip_nonfinite:
             feedback.stage(bs, mask)  # the residual takes the gradient once every rank agreed on the step
         else:
