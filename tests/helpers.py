@@ -1,8 +1,9 @@
 """What several test modules share: equality, the tiny net and its data, a text corpus, process launching,
-and the engine's reference runs.
+the engine's reference runs, and the registry of the strategy tests' multi-process scenarios.
 
-Sections: equality; the tiny net; a text corpus; processes (gloo groups); the engine on the tiny net
-(``test_engine``, ``test_engine_dist``).
+Sections: equality; the tiny net; a text corpus; processes (gloo groups, worker scripts, saved outputs);
+the engine on the tiny net (``test_engine``, ``test_engine_dist``); the strategies on the tiny net
+(``test_strategy_trainer``, ``test_strategy_fabric``, ``test_monitors``, ``test_wiring``).
 """
 
 from __future__ import annotations
@@ -10,19 +11,28 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import subprocess
+import sys
 import tempfile
+import time
+import traceback
+import warnings
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.data import DistributedSampler, TensorDataset
 
-from lightning_scape import AdamS, ScapeConfig, ScapeEngine
+from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.workloads import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON = sys.executable
 
 # ----------------------------------------------------------------------------------------- equality
 
@@ -135,6 +145,42 @@ def run_gloo(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: flo
         return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for worker processes: one thread, no stray distributed variables, ``tests/`` importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "NODE_RANK", "RANK",
+                                                                        "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC",
+                                                                        "PL_", "SLURM"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=HERE + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(extra)
+    return env
+
+
+def run_script(
+    args: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python <args>`` in ``tests/``; fail with its output when it does not exit 0."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [PYTHON, *args], env=env or child_env(), capture_output=True, text=True, timeout=timeout_s, cwd=HERE
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{args} exited {proc.returncode} after {time.perf_counter() - t0:.1f}s\n--- stdout\n{proc.stdout[-6000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def save_output(outdir: str, name: str, rank: int, obj: Any) -> None:
+    """Save what rank ``rank`` of a scenario produced, as ``<outdir>/<name>_rank<rank>.pt``."""
+    torch.save(obj, os.path.join(outdir, f"{name}_rank{rank}.pt"))
+
+
+def load_outputs(outdir: str, name: str, world_size: int = 2) -> list[Any]:
+    """What each rank saved under ``name`` (:func:`save_output`), by rank."""
+    return [torch.load(os.path.join(outdir, f"{name}_rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
 # ----------------------------------------------------------------------- the engine on the tiny net
 
 
@@ -236,3 +282,170 @@ def gloo_run_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[st
 def gloo_mass_worker(rank: int, world_size: int, steps: int) -> dict[str, Tensor]:
     """:func:`mass_worker` on the default (gloo) process group (for :func:`run_gloo`)."""
     return mass_worker(rank, _process_group_comm(), steps)
+
+
+# ------------------------------------------------------------------- the strategies on the tiny net
+
+N_SAMPLES = 32
+BATCH = 4
+LR = 0.02
+# Small enough for the tiny net: chunks of 64, 6 slots each, 3 buckets, 2 dense steps.
+SCAPE = {"density": 0.1, "chunk_size": 64, "dense_warmup_steps": 2, "bucket_cap_mb": 0.004}
+
+
+def dataset() -> TensorDataset:
+    """The strategy runs' 32 fixed samples."""
+    return TensorDataset(*random_batch(123, N_SAMPLES))
+
+
+def lr_lambda(step: int) -> float:
+    """A per-step schedule, so that a wrong step count or a lost LR shows in the parameters."""
+    return 1.0 / (1.0 + 0.1 * step)
+
+
+def rank_batches(rank: int, world_size: int, epochs: int, shuffle: bool = False) -> list[tuple[Tensor, Tensor]]:
+    """This rank's batches: indices rank, rank + W, ... or, with ``shuffle``, what the Trainer's
+    ``DistributedSampler(shuffle=True, seed=0)`` yields after ``set_epoch(epoch)``."""
+    data = dataset()
+    x, y = data.tensors
+    out = []
+    for epoch in range(epochs):
+        if shuffle:
+            sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            idx = list(sampler)
+        else:
+            idx = list(range(rank, N_SAMPLES, world_size))
+        for i in range(0, len(idx), BATCH):
+            sel = torch.tensor(idx[i : i + BATCH])
+            out.append((x[sel], y[sel]))
+    return out
+
+
+def reference(
+    world_size: int = 2,
+    epochs: int = 2,
+    accumulate: int = 1,
+    max_norm: float | None = None,
+    clip_value: float | None = None,
+    autocast: torch.dtype | None = None,
+    fp16_scale: float | None = None,
+    inject_inf_at: int | None = None,
+    scape: dict[str, Any] | None = None,
+    shuffle: bool = True,
+) -> list[dict[str, Any]]:
+    """The bare-engine run that a strategy run must reproduce; per rank: final parameters and norms.
+
+    It drives :class:`ScapeEngine` directly in ``world_size`` simulated ranks, so a strategy run is checked
+    against code that does not use the adapters. For W = 2 a simulated sum is bitwise what gloo computes.
+
+    Args:
+        world_size: Simulated ranks.
+        epochs: Passes over the data.
+        accumulate: Micro-batches per optimizer step (all but the last under ``no_sync``).
+        max_norm: Global-norm clipping.
+        clip_value: Value clipping.
+        autocast: Run forward under ``torch.autocast("cpu", dtype)``.
+        fp16_scale: Initial loss scale of a GradScaler-like procedure (halved on a skipped step).
+        inject_inf_at: Optimizer step (0-based) at which rank 1's loss is multiplied by inf.
+        scape: SCAPE options (default :data:`SCAPE`).
+        shuffle: The Trainer's data order (see :func:`rank_batches`); False for the Fabric loops.
+    """
+    cfg = ScapeConfig(**(scape or SCAPE))
+
+    def worker(rank: int, comm: Communicator) -> dict[str, Any]:
+        net = make_net()
+        opt = AdamS(param_groups(net, LR), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        scale = fp16_scale
+        engine = ScapeEngine(
+            opt, cfg, comm, param_order=list(net.parameters()),
+            loss_scale=None if fp16_scale is None else (lambda: scale), skip_nonfinite=fp16_scale is not None,
+        )  # fmt: skip
+        norms, skipped, trace = [], [], []
+        batches = rank_batches(rank, world_size, epochs, shuffle)
+        step = 0
+        for i, (x, y) in enumerate(batches):
+            last = (i + 1) % accumulate == 0 or i + 1 == len(batches)
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None, cache_enabled=False):
+                loss = torch.nn.functional.mse_loss(net(x), y)
+            if inject_inf_at == step and rank == 1 and last:
+                loss = loss * float("inf")
+            loss = loss / accumulate
+            if scale is not None:
+                loss = loss * scale
+            if last:
+                loss.backward()
+                engine.step(max_grad_norm=max_norm, clip_value=clip_value)
+                norms.append(engine.last_grad_norm)
+                skipped.append(engine.last_step_skipped)
+                if scale is not None and engine.last_step_skipped:
+                    scale /= 2
+                with warnings.catch_warnings():  # AdamS.step itself never runs: the engine steps
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                    sched.step()
+                engine.zero_grad()
+                trace.append(flat(net.parameters()))
+                step += 1
+            else:
+                with engine.no_sync():
+                    loss.backward()
+        state = engine.state_dict()
+        engine.close()
+        return {"params": flat(net.parameters()), "norms": norms, "skipped": skipped, "engine": state, "trace": trace}
+
+    return simulate(world_size, worker)
+
+
+def engine_snapshot(engine: ScapeEngine) -> dict[str, Any]:
+    """What the strategy tests compare bitwise: momentum, residual, masks, step, counters (totals)."""
+    state = engine.state_dict()
+    return {
+        "momentum": torch.cat([b["momentum"] for b in state["buckets"]]),
+        "residual": torch.cat([b["residual"] for b in state["buckets"]]),
+        "last_sent": torch.cat([b["last_sent"] for b in state["buckets"]]),
+        "masks": [list(b["masks"]) for b in state["buckets"]],
+        "step_count": state["step_count"],
+        "refresh_count": state["refresh_count"],
+        "total_sent": state["counters"]["total_sent"],
+    }
+
+
+def expect_failure(name: str, outdir: str, fn: Callable[[], Any]) -> None:
+    """Run ``fn``; save its error message as ``name`` (``{"error": None}`` if it did not raise)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    try:
+        fn()
+        result: dict[str, Any] = {"error": None}
+    except Exception as exc:  # the test inspects the message
+        result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    save_output(outdir, name, rank, result)
+
+
+# ---------------------------------------------------------------------------------------- scenarios
+
+Scenario = TypeVar("Scenario", bound=Callable[..., None])
+# Launch name -> the scenarios registered under it, in registration (definition) order.
+SCENARIOS: dict[str, list[Callable[..., None]]] = {}
+LAUNCHER = os.path.join(HERE, "_launch_scenarios.py")
+
+
+def scenario(launch: str) -> Callable[[Scenario], Scenario]:
+    """Register ``fn(outdir, *args)`` as one scenario of the multi-process launch named ``launch``.
+
+    ``python _launch_scenarios.py <module> <launch> <outdir> [args]`` imports the test module and runs its
+    scenarios of that launch in every process, in the order they are defined; they save their results with
+    :func:`save_output` for the tests beside them to assert on. One launch runs many scenarios because
+    starting Lightning processes costs seconds.
+    """
+
+    def register(fn: Scenario) -> Scenario:
+        SCENARIOS.setdefault(launch, []).append(fn)
+        return fn
+
+    return register
+
+
+def launcher_args(module: str, launch: str, outdir: str, *args: str) -> list[str]:
+    """The command-line arguments (after ``python``) that run ``module``'s scenarios of ``launch``."""
+    return [LAUNCHER, module, launch, outdir, *args]
