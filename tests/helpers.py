@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -382,7 +383,7 @@ def reference(
                 if scale is not None and engine.last_step_skipped:
                     scale /= 2
                 with warnings.catch_warnings():  # AdamS.step itself never runs: the engine steps
-                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                    warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()`"))
                     sched.step()
                 engine.zero_grad()
                 trace.append(flat(net.parameters()))
