@@ -4,31 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import same, write_corpus
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_scape import data as data_module
 from lightning_scape.data import BYTE_EOT, ResumableDataLoader, TextFolder, stdlib_root
-
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "lambda", "sigma", "omega", "tensor", "sparse"]
-
-
-def write_corpus(folder: Path, n_files: int, words: int = 200, seed: int = 0) -> dict[str, bytes]:
-    """``n_files`` distinct text files (every tenth in a subfolder); returns relative path -> content."""
-    rng = random.Random(seed)
-    files: dict[str, bytes] = {}
-    for i in range(n_files):
-        rel = f"sub/doc{i:03d}.txt" if i % 10 == 3 else f"doc{i:03d}.txt"
-        text = f"document {i} ({rel}): " + " ".join(rng.choice(WORDS) for _ in range(words)) + "\n"
-        files[rel] = text.encode()
-        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-        (folder / rel).write_bytes(files[rel])
-    return files
 
 
 def byte_documents(tokens: torch.Tensor) -> list[bytes]:
@@ -418,9 +403,6 @@ def test_train_loader_resumes_at_the_same_batch_across_epochs(
     state = reference.state_dict()
     assert state == {"epoch": 1, "position": per_epoch // 2}
     rest = _take(ref_iter, per_epoch)
-
-    def same(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> bool:
-        return len(xs) == len(ys) and all(torch.equal(a, b) for a, b in zip(xs, ys, strict=True))
 
     second_epoch = first[per_epoch:] + rest[: per_epoch - per_epoch // 2]
     assert not same(first[:per_epoch], second_epoch)  # every epoch is shuffled anew

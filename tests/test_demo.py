@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import csv
 import itertools
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import write_corpus
 
 from lightning_scape.__main__ import main
 from lightning_scape.demo import CSV_COLUMNS, run_demo
 
-WORDS = ["alpha", "beta", "gamma", "delta", "sparse", "dense", "tensor", "gradient", "mask", "residual"]
 STEPS, EVAL_EVERY = 6, 4
-
-
-def write_corpus(folder: Path, n_files: int = 30, words: int = 400) -> None:
-    """``n_files`` text files of random words, a few in a subfolder."""
-    rng = random.Random(0)
-    for i in range(n_files):
-        path = folder / (f"sub/doc{i:02d}.txt" if i % 7 == 3 else f"doc{i:02d}.txt")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"document {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) + "\n")
 
 
 @pytest.mark.dist
@@ -33,7 +23,7 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
 ) -> None:
     monkeypatch.setenv("LIGHTNING_SCAPE_CACHE", str(tmp_path / "cache"))  # TextFolder's token cache
     corpus, out = tmp_path / "corpus", tmp_path / "out"
-    write_corpus(corpus)
+    write_corpus(corpus, 30, words=400)
     argv = ["--steps", str(STEPS), "--warmup", "2", "--batch-size", "2", "--block-size", "64"]
     argv += ["--eval-every", str(EVAL_EVERY), "--data", str(corpus), "--out", str(out)]
     dense, scape = run_demo(argv)

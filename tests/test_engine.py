@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 import torch
-from _scape_worker import (
-    flat_params,
+from helpers import (
+    flat,
     make_batch,
-    make_model,
+    make_net,
     mass_worker,
     param_groups,
     reference_dense_adams,
+    rel_err,
     run_worker,
 )
 from torch import nn
@@ -24,11 +25,8 @@ from lightning_scape.kernels import chunk_topk_ref, mask_positions, mask_scores_
 
 
 def sim(world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`helpers.run_worker` on ``world_size`` simulated ranks."""
     return simulate(world_size, lambda rank, comm: run_worker(rank, comm, spec))
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 # ---------------------------------------------------------------- density 1 is data-parallel AdamS
@@ -115,7 +113,7 @@ def test_masks_lie_in_their_owners_shards_with_distinct_slots() -> None:
     cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=2, bucket_cap_mb=1.0)
 
     def worker(rank: int, comm: Communicator) -> dict[str, Any]:
-        model = make_model(0)
+        model = make_net(0)
         engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, comm)
         for step in range(4):
             x, y = make_batch(rank, step)
@@ -156,7 +154,7 @@ def test_exploration_flushes_every_coordinate_within_c_over_k_explore_steps() ->
     cfg = ScapeConfig(density=0.125, chunk_size=64, dense_warmup_steps=1, exploration=0.5, bucket_cap_mb=1.0)
     k_e = cfg.explore_slots_per_chunk
     assert k_e == 4
-    model = make_model(0)
+    model = make_net(0)
     engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg)
     covered = None
     horizon = math.ceil(cfg.chunk_size / k_e)
@@ -194,7 +192,7 @@ def test_the_delayed_mask_is_the_one_built_a_step_earlier() -> None:
 
 def test_the_engine_compacts_with_the_queued_mask() -> None:
     cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=1, bucket_cap_mb=1.0)
-    model = make_model(0, torch.float64)
+    model = make_net(0, torch.float64)
     engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg)
     for step in range(4):
         x, y = make_batch(0, step, torch.float64)
@@ -332,7 +330,7 @@ def test_unused_parameters_contribute_zeros_without_a_hang() -> None:
 
 def test_no_sync_accumulates_and_a_second_synced_backward_is_refused() -> None:
     cfg = ScapeConfig(density=1.0, chunk_size=32, dense_warmup_steps=0, exploration=0.0)
-    model, twin = make_model(0), make_model(0)
+    model, twin = make_net(0), make_net(0)
     engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg)
     ref = AdamS(twin.parameters(), lr=1e-2)
     x1, y1 = make_batch(0, 0)
@@ -403,14 +401,14 @@ def test_engine_state_dict_resume_is_bitwise_identical() -> None:
             engine.step()
             engine.zero_grad()
 
-    model = make_model(0)
+    model = make_net(0)
     engine = ScapeEngine(AdamS(param_groups(model, 1e-2), lr=1e-2), cfg)
     run(model, engine, range(5))
     saved_params = {k: v.clone() for k, v in model.state_dict().items()}
     saved = engine.state_dict()
     run(model, engine, range(5, 9))
 
-    twin = make_model(1)
+    twin = make_net(1)
     twin.load_state_dict(saved_params)
     twin_engine = ScapeEngine(AdamS(param_groups(twin, 1e-2), lr=1e-2), cfg)
     twin_engine.load_state_dict(saved)
@@ -418,11 +416,11 @@ def test_engine_state_dict_resume_is_bitwise_identical() -> None:
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
     with pytest.raises(ValueError, match="another configuration"):
-        ScapeEngine(AdamS(make_model(0).parameters()), cfg.replace(density=0.1)).load_state_dict(saved)
+        ScapeEngine(AdamS(make_net(0).parameters()), cfg.replace(density=0.1)).load_state_dict(saved)
 
 
 def test_an_optimizer_without_adams_groups_is_refused() -> None:
-    model = make_model(0)
+    model = make_net(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"lightning_scape\.AdamS"):
         ScapeEngine(opt, ScapeConfig())
@@ -433,20 +431,20 @@ def test_construction_gives_every_rank_rank_zeros_parameters() -> None:
     cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=1)
 
     def worker(rank: int, comm: Communicator) -> tuple[torch.Tensor, dict[str, int], int]:
-        model = make_model(seed=rank)  # a different initialisation on every rank
+        model = make_net(seed=rank)  # a different initialisation on every rank
         engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, comm)
-        return flat_params(model), dict(engine.counters.total_sent), engine.padded_numel
+        return flat(model.parameters()), dict(engine.counters.total_sent), engine.padded_numel
 
     out = simulate(3, worker)
-    expected = flat_params(make_model(seed=0))
+    expected = flat(make_net(seed=0).parameters())
     for params, sent, n in out:
         assert torch.equal(params, expected)
         assert sent["setup"] == 2 * (3 - 1) * n * 4 // 3 and sum(sent.values()) == sent["setup"]
 
     def unsynced(rank: int, comm: Communicator) -> torch.Tensor:
-        model = make_model(seed=rank)
+        model = make_net(seed=rank)
         ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, comm, sync_params=False)
-        return flat_params(model)
+        return flat(model.parameters())
 
     a, b, _ = simulate(3, unsynced)
     assert not torch.equal(a, b)

@@ -1,8 +1,9 @@
 """CommunicationMonitor and MaskMonitor: their logged values equal what the engine counted.
 
-The Trainer run logs through a CSVLogger every step; a recording callback kept the engine's own numbers
-on both ranks, so every logged value is checked against an independent copy. The Fabric run logs the
-dicts that ``compute()`` returned. The coverage and churn arithmetic is checked in-process on a
+The Trainer run (the "main" scenario of ``test_strategy_trainer``) logs through a CSVLogger every step; a
+recording callback kept the engine's own numbers on both ranks, so every logged value is checked against an
+independent copy. The Fabric run (the "f_main" scenario of ``test_strategy_fabric``) logs the dicts that
+``compute()`` returned. The coverage and churn arithmetic is checked in-process on a
 hand-made gradient and mask.
 """
 
@@ -14,8 +15,7 @@ import os
 
 import pytest
 import torch
-from _lightning_common import load_outputs
-from _lightning_runs import fabric_runs, trainer_runs
+from helpers import SCAPE, load_outputs
 
 from lightning_scape import AdamS, CommunicationMonitor, MaskMonitor, ScapeConfig, ScapeEngine
 from lightning_scape.comm import KINDS
@@ -42,12 +42,12 @@ def masks_positions(masks: list[torch.Tensor], chunk_size: int) -> set[int]:
 
 
 @pytest.mark.dist
-def test_trainer_monitors_log_the_engine_counters() -> None:
-    out = load_outputs(trainer_runs(), "main")
+def test_trainer_monitors_log_the_engine_counters(trainer_runs: str) -> None:
+    out = load_outputs(trainer_runs, "main")
     rec0, rec1 = out[0]["steps"], out[1]["steps"]
-    rows = csv_rows(os.path.join(trainer_runs(), "logs"))
+    rows = csv_rows(os.path.join(trainer_runs, "logs"))
     assert sorted(rows) == [r["global_step"] for r in rec0]  # log_every_n_steps=1: one row per optimizer step
-    chunk = ScapeConfig(**{"density": 0.1, "chunk_size": 64}).chunk_size
+    chunk = ScapeConfig(**SCAPE).chunk_size
     previous: set[int] | None = None
     for a, b in zip(rec0, rec1, strict=True):
         row = rows[a["global_step"]]
@@ -79,8 +79,8 @@ def test_trainer_monitors_log_the_engine_counters() -> None:
 
 
 @pytest.mark.dist
-def test_fabric_monitors_return_the_engine_counters() -> None:
-    for o in load_outputs(fabric_runs(), "f_main"):
+def test_fabric_monitors_return_the_engine_counters(fabric_runs: str) -> None:
+    for o in load_outputs(fabric_runs, "f_main"):
         for logged, recorded in zip(o["logged"], o["recorded"], strict=True):
             assert logged["comm/sent_bytes"] == recorded["sent"]
             assert logged["comm/sent_bytes/values"] == recorded["values"]

@@ -1,47 +1,166 @@
 """Fabric's ScapeStrategy on two gloo processes started by torchrun, against bare-engine references.
 
+Each ``@scenario("fabric")`` function below is one Fabric run; the ``fabric_runs`` fixture (conftest) runs
+them all, in the order they are defined, in one ``torchrun --nproc_per_node=2`` launch
+(``_launch_scenarios.py``), and the test under each scenario reads what it saved.
+
 Also: a rank that dies or stops answering makes the other one stop within the collective timeout, with
-an error that names the missing rank and the collective (two "nodes" started by hand, NODE_RANK style).
+an error that names the missing rank and the collective (two "nodes" started by hand, NODE_RANK style:
+the ``@scenario("fault")`` function and the ``fault_runs`` fixture).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import threading
+import time
 from typing import Any
 
 import pytest
 import torch
-from _lightning_common import load_outputs, reference
-from _lightning_runs import fabric_runs, fault_runs
+from helpers import (
+    LR,
+    PYTHON,
+    SCAPE,
+    child_env,
+    engine_snapshot,
+    expect_failure,
+    flat,
+    launcher_args,
+    load_outputs,
+    lr_lambda,
+    make_net,
+    param_groups,
+    rank_batches,
+    reference,
+    same,
+    save_output,
+    scenario,
+)
+from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision.amp import MixedPrecision
 
-from lightning_scape import ScapeConfig
+from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig, ScapeStrategy
+from lightning_scape.workloads import free_port
 
 pytestmark = pytest.mark.dist
 
-
-def runs(name: str) -> list[Any]:
-    return load_outputs(fabric_runs(), name)
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 ENGINE_STATE = ("momentum", "residual", "last_sent", "masks", "step_count", "refresh_count")
 
+# ------------------------------------------------------------------------------ what the scenarios run
 
-def test_registered_name_with_default_configuration() -> None:
-    for o in runs("f_default"):
+
+def fabric_loop(fabric: Fabric, model: Any, opt: Any, sched: Any, start: int, stop: int,
+                accumulate: int = 1, max_norm: float | None = None, inject_inf_at: int | None = None) -> list[float]:
+    """Optimizer steps ``start``..``stop-1`` over this rank's batches (the data order of the reference); the
+    norms ``fabric.clip_gradients`` returned when ``max_norm`` is given."""
+    batches = rank_batches(fabric.global_rank, fabric.world_size, epochs=8)
+    norms = []
+    for step in range(start, stop):
+        for micro in range(accumulate):
+            x, y = batches[step * accumulate + micro]
+            last = micro == accumulate - 1
+            with fabric.no_backward_sync(model, enabled=not last):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if inject_inf_at == step and fabric.global_rank == 1 and last:
+                    loss = loss * float("inf")
+                fabric.backward(loss / accumulate)
+        if max_norm is not None:
+            norms.append(float(fabric.clip_gradients(model, opt, max_norm=max_norm, error_if_nonfinite=False)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return norms
+
+
+def fabric_setup(fabric: Fabric, separately: bool = True) -> tuple[Any, Any, Any]:
+    """The tiny net, AdamW and the LR schedule through ``fabric``: model and optimizer ``separately`` (litgpt's
+    order) or together with ``fabric.setup``."""
+    net = make_net()
+    if separately:  # litgpt's order: model first, then an optimizer over its parameters
+        model = fabric.setup_module(net)
+        opt = torch.optim.AdamW(param_groups(net, LR), lr=LR)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        opt = fabric.setup_optimizers(opt)
+    else:
+        opt = torch.optim.AdamW(param_groups(net, LR), lr=LR)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        model, opt = fabric.setup(net, opt)
+    return model, opt, sched
+
+
+def two_process_fabric(**kwargs: Any) -> Fabric:
+    """A launched two-process CPU Fabric (the torchrun processes) with ``kwargs``."""
+    fabric = Fabric(accelerator="cpu", devices=2, **kwargs)
+    fabric.launch()
+    return fabric
+
+
+def torchrun_rank() -> int:
+    """This process's rank, as torchrun set it."""
+    return int(os.environ["RANK"])
+
+
+def checkpoint_path(outdir: str) -> str:
+    """Where :func:`resume_mid_run` saves (and :func:`load_another_configuration` loads)."""
+    return os.path.join(outdir, "fabric.ckpt")
+
+
+def runs(outdir: str, name: str) -> list[Any]:
+    """What both ranks saved under ``name``."""
+    return load_outputs(outdir, name)
+
+
+# ------------------------------------------------------------------------------ scenarios and their tests
+
+
+@scenario("fabric")
+def registered_name(outdir: str) -> None:
+    """``strategy="scape"`` with the default configuration, set up jointly, two steps."""
+    fabric = two_process_fabric(strategy="scape")
+    model, opt, sched = fabric_setup(fabric, separately=False)
+    fabric_loop(fabric, model, opt, sched, 0, 2)
+    save_output(outdir, "f_default", torchrun_rank(), {
+        "config": fabric.strategy.scape_config,
+        "wrapped": type(model._forward_module).__name__,
+        "sent": dict(fabric.strategy.engine.counters.total_sent),
+        "strategy": type(fabric.strategy).__name__,
+    })
+
+
+def test_registered_name_with_default_configuration(fabric_runs: str) -> None:
+    for o in runs(fabric_runs, "f_default"):
         assert o["strategy"] == "ScapeStrategy" and o["config"] == ScapeConfig()
         assert o["wrapped"] == "Sequential"  # the module itself, no DistributedDataParallel
         assert o["sent"]["values"] == 0 and o["sent"]["dense"] > 0  # dense warm-up only
 
 
-def test_separate_setup_accumulation_and_clipping_match_the_engine() -> None:
-    out = runs("f_main")
+@scenario("fabric")
+def separate_setup_accumulation_clipping_and_monitors(outdir: str) -> None:
+    """Set up separately (litgpt), two micro-batches per step (``no_backward_sync``), ``clip_gradients`` and
+    both monitors, steps 0..7; per step, what the monitors returned and what the engine counted (read by
+    ``test_monitors`` too)."""
+    comm, masks = CommunicationMonitor(), MaskMonitor(topk_every_n_steps=2)
+    fabric = two_process_fabric(strategy=ScapeStrategy(**SCAPE), callbacks=[comm, masks])
+    model, opt, sched = fabric_setup(fabric)
+    engine = fabric.strategy.engine
+    logged, recorded = [], []
+    norms = []
+    for step in range(8):
+        norms += fabric_loop(fabric, model, opt, sched, step, step + 1, accumulate=2, max_norm=0.5)
+        c = engine.counters
+        recorded.append({"sent": c.step_sent_bytes, "dense_equivalent": c.step_dense_equivalent,
+                         "values": c.step_sent["values"], "wait_s": c.step_wait_s})
+        logged.append({**comm.compute(), **masks.compute()})
+    save_output(outdir, "f_main", torchrun_rank(), {"params": flat(model.parameters()), "norms": norms,
+                                                    "logged": logged, "recorded": recorded,
+                                                    "engine": engine_snapshot(engine)})
+
+
+def test_separate_setup_accumulation_and_clipping_match_the_engine(fabric_runs: str) -> None:
+    out = runs(fabric_runs, "f_main")
     assert torch.equal(out[0]["params"], out[1]["params"])
     ref = reference(epochs=4, accumulate=2, max_norm=0.5, shuffle=False)
     assert torch.equal(out[0]["params"], ref[0]["params"])
@@ -50,8 +169,29 @@ def test_separate_setup_accumulation_and_clipping_match_the_engine() -> None:
     assert out[0]["norms"] == out[1]["norms"]
 
 
-def test_resume_mid_run_continues_bitwise_identically() -> None:
-    whole, resumed = runs("f_uninterrupted"), runs("f_resumed")
+@scenario("fabric")
+def resume_mid_run(outdir: str) -> None:
+    """Resume at step 3 (mid-epoch, sparse phase): steps 0..7 uninterrupted; and 0..2, ``fabric.save``,
+    ``fabric.load`` into a fresh set-up, then 3..7."""
+    fabric = two_process_fabric(strategy=ScapeStrategy(**SCAPE))
+    model, opt, sched = fabric_setup(fabric)
+    fabric_loop(fabric, model, opt, sched, 0, 8, max_norm=1.0)
+    save_output(outdir, "f_uninterrupted", torchrun_rank(), {"params": flat(model.parameters()),
+                                                             "engine": engine_snapshot(fabric.strategy.engine)})
+    path = checkpoint_path(outdir)
+    model, opt, sched = fabric_setup(fabric)
+    fabric_loop(fabric, model, opt, sched, 0, 3, max_norm=1.0)
+    fabric.save(path, {"model": model, "optimizer": opt, "scheduler": sched, "step": 3})
+    model, opt, sched = fabric_setup(fabric)
+    state = {"model": model, "optimizer": opt, "scheduler": sched}
+    remainder = fabric.load(path, state)
+    fabric_loop(fabric, model, opt, sched, remainder["step"], 8, max_norm=1.0)
+    save_output(outdir, "f_resumed", torchrun_rank(), {"params": flat(model.parameters()),
+                                                       "engine": engine_snapshot(fabric.strategy.engine)})
+
+
+def test_resume_mid_run_continues_bitwise_identically(fabric_runs: str) -> None:
+    whole, resumed = runs(fabric_runs, "f_uninterrupted"), runs(fabric_runs, "f_resumed")
     for r in range(2):
         assert torch.equal(whole[r]["params"], resumed[r]["params"])
         for key in ENGINE_STATE:
@@ -59,15 +199,42 @@ def test_resume_mid_run_continues_bitwise_identically() -> None:
     assert torch.equal(whole[0]["params"], reference(epochs=2, max_norm=1.0, shuffle=False)[0]["params"])
 
 
-def test_checkpoint_from_another_configuration_is_refused_before_loading() -> None:
-    for o in runs("f_other_config"):
+@scenario("fabric")
+def load_another_configuration(outdir: str) -> None:
+    """``fabric.load`` of :func:`resume_mid_run`'s checkpoint with chunks of 128 instead of 64: the error on
+    each rank, and the parameters before and after."""
+    fabric = two_process_fabric(strategy=ScapeStrategy(**{**SCAPE, "chunk_size": 128}))
+    model, opt, _ = fabric_setup(fabric)
+    before = flat(model.parameters())
+    expect_failure("f_other_config", outdir,
+                   lambda: fabric.load(checkpoint_path(outdir), {"model": model, "optimizer": opt}))
+    save_output(outdir, "f_other_config_params", torchrun_rank(), {"before": before, "after": flat(model.parameters())})
+
+
+def test_checkpoint_from_another_configuration_is_refused_before_loading(fabric_runs: str) -> None:
+    for o in runs(fabric_runs, "f_other_config"):
         assert o["error"] is not None and "'chunk_size': (64, 128)" in o["error"]
-    for o in runs("f_other_config_params"):
+    for o in runs(fabric_runs, "f_other_config_params"):
         assert torch.equal(o["before"], o["after"])
 
 
-def test_fp16_inf_step_is_skipped_on_every_rank() -> None:
-    out = runs("f_fp16")
+@scenario("fabric")
+def fp16_with_an_inf_on_rank_1(outdir: str) -> None:
+    """fp16 with a GradScaler, and an inf in rank 1's loss at step 3; a snapshot after each of 6 steps."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    fabric = two_process_fabric(strategy=ScapeStrategy(**SCAPE), plugins=[MixedPrecision("16-mixed", "cpu",
+                                                                                          scaler=scaler)])
+    model, opt, sched = fabric_setup(fabric)
+    snaps = []
+    for step in range(6):
+        fabric_loop(fabric, model, opt, sched, step, step + 1, inject_inf_at=3)
+        snaps.append({"params": flat(model.parameters()), "engine": engine_snapshot(fabric.strategy.engine),
+                      "skipped": fabric.strategy.engine.last_step_skipped, "scale": scaler.get_scale()})
+    save_output(outdir, "f_fp16", torchrun_rank(), snaps)
+
+
+def test_fp16_inf_step_is_skipped_on_every_rank(fabric_runs: str) -> None:
+    out = runs(fabric_runs, "f_fp16")
     for snaps in out:
         assert [s["skipped"] for s in snaps] == [i == 3 for i in range(6)]
         assert [s["scale"] for s in snaps] == [256.0] * 3 + [128.0] * 3
@@ -78,15 +245,98 @@ def test_fp16_inf_step_is_skipped_on_every_rank() -> None:
     assert torch.equal(out[0][-1]["params"], ref[0]["trace"][5])
 
 
-def test_compiled_model_matches_the_engine() -> None:
-    out = runs("f_compiled")
+@scenario("fabric")
+def compiled_model(outdir: str) -> None:
+    """A ``torch.compile``'d model (eager backend; the Trainer run covers AOT autograd) through ``fabric.setup``,
+    four steps."""
+    fabric = two_process_fabric(strategy=ScapeStrategy(**SCAPE))
+    net = torch.compile(make_net(), backend="eager")
+    opt = torch.optim.AdamW(param_groups(net, LR), lr=LR)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    model, opt = fabric.setup(net, opt)
+    fabric_loop(fabric, model, opt, sched, 0, 4)
+    save_output(outdir, "f_compiled", torchrun_rank(), {"params": flat(model.parameters())})
+
+
+def test_compiled_model_matches_the_engine(fabric_runs: str) -> None:
+    out = runs(fabric_runs, "f_compiled")
     ref = reference(epochs=1, shuffle=False)
     assert torch.equal(out[0]["params"], ref[0]["trace"][3])
 
 
+# ------------------------------------------------------------------------------ a rank that fails
+
+
+@scenario("fault")
+def peer_fails_in_a_sparse_step(outdir: str, victim: str) -> None:
+    """Two "nodes" (NODE_RANK, MASTER_ADDR), collective timeout ``$SCAPE_TIMEOUT``: after three steps rank 1
+    kills itself (``victim="kill"``) or stops issuing collectives (``"hang"``); rank 0 prints ``READY <time>``
+    and tries three more steps."""
+    fabric = Fabric(accelerator="cpu", devices=1, num_nodes=2,
+                    strategy=ScapeStrategy(**SCAPE, collective_timeout_s=float(os.environ["SCAPE_TIMEOUT"])))
+    fabric.launch()
+    model, opt, sched = fabric_setup(fabric)
+    fabric_loop(fabric, model, opt, sched, 0, 3)
+    if fabric.global_rank == 1:
+        if victim == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)  # "hang": never issue the next collective
+    print(f"READY {time.time()}", flush=True)
+    fabric_loop(fabric, model, opt, sched, 3, 6)
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The "fault" scenario as two two-"node" jobs started by hand, run side by side: victim "kill" with a
+    30 s collective timeout, "hang" with 6 s.
+
+    Returns, per victim, rank 0's exit code, its output, and the seconds from "READY" (printed by rank 0
+    right before the step that cannot complete) to its exit.
+    """
+    jobs: dict[str, dict[str, Any]] = {}
+    for victim, timeout in (("kill", 30.0), ("hang", 6.0)):
+        out = str(tmp_path_factory.mktemp(f"fault_{victim}"))
+        port = str(free_port())
+        procs = []
+        for node in (1, 0):
+            env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node),
+                            SCAPE_TIMEOUT=str(timeout))
+            procs.append(subprocess.Popen([PYTHON, *launcher_args("test_strategy_fabric", "fault", out, victim)],
+                                          env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        jobs[victim] = {"procs": procs, "timeout": timeout}
+
+    def watch(job: dict[str, Any]) -> None:  # the survivor's exit time, to the tenth of a second
+        try:
+            job["output"], _ = job["procs"][1].communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            job["procs"][1].kill()
+            job["output"], _ = job["procs"][1].communicate()
+        job["ended"] = time.time()
+
+    threads = [threading.Thread(target=watch, args=(job,)) for job in jobs.values()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results: dict[str, Any] = {}
+    for victim, job in jobs.items():
+        victim_proc, survivor = job["procs"]
+        victim_proc.kill()
+        victim_proc.wait()
+        output = job["output"]
+        ready = [float(line.split()[1]) for line in output.splitlines() if line.startswith("READY ")]
+        results[victim] = {
+            "returncode": survivor.returncode,
+            "output": output,
+            "seconds_after_ready": job["ended"] - ready[0] if ready else None,
+            "timeout": job["timeout"],
+        }
+    return results
+
+
 @pytest.mark.parametrize("victim", ["kill", "hang"])
-def test_survivor_stops_within_the_timeout_naming_the_missing_rank(victim: str) -> None:
-    result = fault_runs()[victim]
+def test_survivor_stops_within_the_timeout_naming_the_missing_rank(victim: str, fault_runs: dict[str, Any]) -> None:
+    result = fault_runs[victim]
     out = result["output"]
     assert result["returncode"] not in (0, None), out[-3000:]
     assert "SCAPE collective" in out and "rank 0 of 2" in out, out[-3000:]  # the collective that failed

@@ -1,37 +1,212 @@
 """The Trainer's ScapeStrategy on two gloo processes, against bare-engine references.
 
-One launch of ``_lightning_worker.py trainer`` runs every Trainer configuration; each test reads its part.
-The references (``_lightning_common.reference``) drive :class:`ScapeEngine` directly in two simulated
-ranks, so bitwise equality means the adapter added nothing and lost nothing.
+Each ``@scenario("trainer")`` function below is one Trainer run; the ``trainer_runs`` fixture (conftest) runs
+them all, in the order they are defined, in one launch of two processes (``_launch_scenarios.py``), and the
+test under each scenario reads what it saved. The references (:func:`helpers.reference`) drive
+:class:`ScapeEngine` directly in two simulated ranks, so bitwise equality means the adapter added nothing and
+lost nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import time
+from collections.abc import Iterator
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
-from _lightning_common import SCAPE, load_outputs, reference
-from _lightning_runs import trainer_other_world_runs, trainer_runs
+import torch.distributed as dist
+from helpers import (
+    BATCH,
+    LR,
+    SCAPE,
+    child_env,
+    dataset,
+    engine_snapshot,
+    expect_failure,
+    flat,
+    launcher_args,
+    load_outputs,
+    lr_lambda,
+    make_net,
+    param_groups,
+    reference,
+    run_script,
+    same,
+    save_output,
+    scenario,
+)
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader
 
-from lightning_scape import ScapeConfig
+from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig
+from lightning_scape.pytorch import ScapeStrategy
+from lightning_scape.workloads import free_port
 
 pytestmark = pytest.mark.dist
 
-
-def runs(name: str) -> list[Any]:
-    return load_outputs(trainer_runs(), name)
+# ------------------------------------------------------------------------------ what the scenarios run
 
 
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    return bool(a == b)
+class LitModel(pl.LightningModule):
+    """The tiny net under MSE, AdamW with two param groups and a per-step LR schedule."""
+
+    def __init__(self, inject_inf_at: int | None = None) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.inject_inf_at = inject_inf_at
+        self.val_batches = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        if self.inject_inf_at == self.global_step and self.global_rank == 1:
+            loss = loss * float("inf")
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.val_batches += 1
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(param_groups(self.net, LR), lr=LR)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Recorder(pl.Callback):
+    """Per optimizer step, the engine's own numbers (the monitors' logs must equal them)."""
+
+    def __init__(self, snapshots: bool = False) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.snapshots = snapshots
+        self._seen = -1
+        self.sanity_checked = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._seen = trainer.global_step
+
+    def on_sanity_check_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.sanity_checked = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._seen:
+            return
+        self._seen = trainer.global_step
+        engine = trainer.strategy.engine
+        c = engine.counters
+        rec = {
+            "global_step": trainer.global_step,
+            "sent": dict(c.step_sent),
+            "dense_equivalent": c.step_dense_equivalent,
+            "wait_s": c.step_wait_s,
+            "total_sent": c.total_sent_bytes,
+            "total_dense_equivalent": c.total_dense_equivalent,
+            "total_wait_s": c.total_wait_s,
+            "skipped": engine.last_step_skipped,
+            "step_count": engine.step_count,
+            "masks": None if engine.last_used_masks is None else [m.clone() for m in engine.last_used_masks],
+            "residual_norm": engine.residual_norm(),
+            "oldest": engine.oldest_unsent_age(),
+            "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
+        }
+        if self.snapshots:
+            rec["params"] = flat(pl_module.parameters())
+            rec["engine"] = engine_snapshot(engine)
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            rec["scale"] = None if scaler is None else scaler.get_scale()
+        self.steps.append(rec)
+
+
+def loaders(val: bool = False) -> tuple[DataLoader, DataLoader | None]:
+    """The training loader (batches of 4) and, with ``val``, a validation loader over the same samples."""
+    train = DataLoader(dataset(), batch_size=BATCH)
+    return train, (DataLoader(dataset(), batch_size=8) if val else None)
+
+
+def trainer_kwargs(**extra: Any) -> dict[str, Any]:
+    """A quiet two-process CPU Trainer for two epochs, with ``extra`` on top."""
+    kw: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        max_epochs=2,
+        num_sanity_val_steps=0,
+    )
+    kw.update(extra)
+    return kw
+
+
+def fit_and_record(name: str, outdir: str, strategy: Any, model: Any = None, val: bool = False,
+                   ckpt_path: str | None = None, recorder: Recorder | None = None, **kw: Any) -> pl.Trainer:
+    """``Trainer.fit`` with a :class:`Recorder`; save, as ``name``, the final parameters, the recorded steps,
+    what the strategy set up (wrapper, sampler, optimizer, configuration) and the engine's state."""
+    model = model if model is not None else LitModel()
+    recorder = recorder or Recorder()
+    callbacks = [recorder, *kw.pop("callbacks", [])]
+    trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, **trainer_kwargs(**kw))
+    train, val_loader = loaders(val)
+    t0 = time.perf_counter()
+    trainer.fit(model, train, val_loader, ckpt_path=ckpt_path)
+    lm = trainer.lightning_module
+    out = {
+        "params": flat(lm.parameters()),
+        "steps": recorder.steps,
+        "seconds": time.perf_counter() - t0,
+        "ddp_wrapped": isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel),
+        "sampler": type(trainer.train_dataloader.sampler).__name__,
+        "config": trainer.strategy.scape_config,
+        "global_step": trainer.global_step,
+        "sanity_checked": recorder.sanity_checked,
+        "val_batches": getattr(lm, "val_batches", 0),
+        "val_loss": float(trainer.callback_metrics.get("val_loss", torch.tensor(float("nan")))),
+        "progress_bar": dict(trainer.progress_bar_metrics),
+        "optimizer_type": type(trainer.strategy.optimizers[0]).__name__,
+        "engine": engine_snapshot(trainer.strategy.scape_optimizers[0].engine),
+    }
+    save_output(outdir, name, trainer.global_rank, out)
+    return trainer
+
+
+@contextlib.contextmanager
+def all_reduce_numels() -> Iterator[list[int]]:
+    """The size of every ``torch.distributed.all_reduce`` any code issues inside: a dense gradient all-reduce
+    would show here."""
+    numels: list[int] = []
+    original = dist.all_reduce
+
+    def counting_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        numels.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce  # type: ignore[assignment]
+    try:
+        yield numels
+    finally:
+        dist.all_reduce = original
+
+
+def checkpoint_dir(outdir: str) -> str:
+    """Where :func:`resume_from_a_checkpoint` checkpoints (and later scenarios find ``last.ckpt``)."""
+    return os.path.join(outdir, "ckpt")
+
+
+# ------------------------------------------------------------------------------ what the tests read
+
+
+def runs(outdir: str, name: str) -> list[Any]:
+    """What both ranks saved under ``name``."""
+    return load_outputs(outdir, name)
 
 
 def assert_plain_replicas(out: list[dict[str, Any]]) -> None:
@@ -43,8 +218,17 @@ def assert_plain_replicas(out: list[dict[str, Any]]) -> None:
     assert torch.equal(out[0]["params"], out[1]["params"])
 
 
-def test_registered_name_with_default_configuration() -> None:
-    out = runs("default")
+# ------------------------------------------------------------------------------ scenarios and their tests
+
+
+@scenario("trainer")
+def registered_name(outdir: str) -> None:
+    """``strategy="scape"`` with the default configuration, two steps."""
+    fit_and_record("default", outdir, "scape", max_epochs=None, max_steps=2)
+
+
+def test_registered_name_with_default_configuration(trainer_runs: str) -> None:
+    out = runs(trainer_runs, "default")
     assert_plain_replicas(out)
     assert out[0]["config"] == ScapeConfig()
     # Two steps of the default configuration are dense warm-up: only dense traffic, as its formula says.
@@ -52,8 +236,30 @@ def test_registered_name_with_default_configuration() -> None:
     assert sent["values"] == sent["params"] == sent["indices"] == 0 and sent["dense"] > 0
 
 
-def test_accumulation_clipping_schedule_and_validation_match_the_engine() -> None:
-    out = runs("main")
+@scenario("trainer")
+def accumulation_clipping_schedule_validation_and_monitors(outdir: str) -> None:
+    """Two micro-batches per step, norm clipping, the LR schedule, validation with a sanity check, and both
+    monitors logging through a CSVLogger every step (``test_monitors`` reads the log); also every
+    all-reduce's size."""
+    with all_reduce_numels() as numels:
+        fit_and_record(
+            "main",
+            outdir,
+            ScapeStrategy(**SCAPE),
+            val=True,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+            num_sanity_val_steps=1,
+            limit_val_batches=2,
+            logger=CSVLogger(os.path.join(outdir, "logs"), name="csv", version=0),
+            log_every_n_steps=1,
+            callbacks=[CommunicationMonitor(), MaskMonitor(topk_every_n_steps=2)],
+        )
+    save_output(outdir, "all_reduce_main", dist.get_rank(), numels)
+
+
+def test_accumulation_clipping_schedule_and_validation_match_the_engine(trainer_runs: str) -> None:
+    out = runs(trainer_runs, "main")
     assert_plain_replicas(out)
     ref = reference(accumulate=2, max_norm=0.5)
     for r in range(2):
@@ -68,39 +274,68 @@ def test_accumulation_clipping_schedule_and_validation_match_the_engine() -> Non
     assert out[0]["val_loss"] == pytest.approx(out[1]["val_loss"])
 
 
-def test_no_dense_gradient_all_reduce_after_warmup() -> None:
-    out = runs("value")
+@scenario("trainer")
+def clipping_by_value(outdir: str) -> None:
+    """Clipping by value, no monitor (the only all-reduces left are scalars); also every all-reduce's size."""
+    with all_reduce_numels() as numels:
+        fit_and_record("value", outdir, ScapeStrategy(**SCAPE), gradient_clip_val=0.02,
+                       gradient_clip_algorithm="value")
+    save_output(outdir, "all_reduce_value", dist.get_rank(), numels)
+
+
+def test_no_dense_gradient_all_reduce_after_warmup(trainer_runs: str) -> None:
+    out = runs(trainer_runs, "value")
     cfg = ScapeConfig(**SCAPE)
     for o in out:
         for rec in o["steps"]:
             dense = rec["sent"]["dense"]
             assert (dense > 0) == (rec["step_count"] <= cfg.dense_warmup_steps), rec
     # The only all_reduce calls of the whole value-clipping run are scalars (no norm clipping here).
-    for numels in load_outputs(trainer_runs(), "all_reduce_value"):
+    for numels in runs(trainer_runs, "all_reduce_value"):
         assert all(n <= 1 for n in numels), numels
     # With MaskMonitor(topk_every_n_steps=2), exactly its measurements all-reduce the dense gradient.
-    main = runs("main")[0]
+    main = runs(trainer_runs, "main")[0]
     measured = sum(1 for s in main["steps"] if s["masks"] is not None and s["step_count"] % 2 == 0)
-    for numels in load_outputs(trainer_runs(), "all_reduce_main"):
+    for numels in runs(trainer_runs, "all_reduce_main"):
         assert sum(1 for n in numels if n > 8) == measured > 0
 
 
-def test_clipping_by_value_matches_the_engine() -> None:
-    out = runs("value")
+def test_clipping_by_value_matches_the_engine(trainer_runs: str) -> None:
+    out = runs(trainer_runs, "value")
     assert_plain_replicas(out)
     ref = reference(clip_value=0.02)
     assert torch.equal(out[0]["params"], ref[0]["params"])
 
 
-def test_bf16_mixed_matches_the_engine() -> None:
-    out = runs("bf16")
+@scenario("trainer")
+def bf16_mixed(outdir: str) -> None:
+    """bf16 autocast."""
+    fit_and_record("bf16", outdir, ScapeStrategy(**SCAPE), precision="bf16-mixed")
+
+
+def test_bf16_mixed_matches_the_engine(trainer_runs: str) -> None:
+    out = runs(trainer_runs, "bf16")
     assert_plain_replicas(out)
     ref = reference(autocast=torch.bfloat16)
     assert torch.equal(out[0]["params"], ref[0]["params"])
 
 
-def test_fp16_inf_step_is_skipped_on_every_rank_without_touching_state() -> None:
-    out = runs("fp16")
+@scenario("trainer")
+def fp16_with_an_inf_on_rank_1(outdir: str) -> None:
+    """fp16 with a GradScaler, and an inf in rank 1's loss at step 3 (a sparse step); snapshots every step."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    fit_and_record(
+        "fp16",
+        outdir,
+        ScapeStrategy(**SCAPE),
+        model=LitModel(inject_inf_at=3),
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        recorder=Recorder(snapshots=True),
+    )
+
+
+def test_fp16_inf_step_is_skipped_on_every_rank_without_touching_state(trainer_runs: str) -> None:
+    out = runs(trainer_runs, "fp16")
     assert_plain_replicas(out)
     for o in out:
         steps = o["steps"]
@@ -117,15 +352,37 @@ def test_fp16_inf_step_is_skipped_on_every_rank_without_touching_state() -> None
     assert torch.equal(out[0]["params"], ref[0]["params"])
 
 
-def test_compiled_model_matches_the_engine() -> None:
-    out = runs("compiled")
+@scenario("trainer")
+def compiled_model(outdir: str) -> None:
+    """``torch.compile`` with AOT autograd (the post-accumulate-grad hooks must still fire), one epoch."""
+    compiled = torch.compile(LitModel(), backend="aot_eager")
+    fit_and_record("compiled", outdir, ScapeStrategy(**SCAPE), model=compiled, max_epochs=1)
+
+
+def test_compiled_model_matches_the_engine(trainer_runs: str) -> None:
+    out = runs(trainer_runs, "compiled")
     assert_plain_replicas(out)
     ref = reference(epochs=1)
     assert torch.equal(out[0]["params"], ref[0]["params"])
 
 
-def test_resume_continues_bitwise_identically() -> None:
-    whole, resumed = runs("uninterrupted"), runs("resumed")
+@scenario("trainer")
+def resume_from_a_checkpoint(outdir: str) -> None:
+    """Four epochs uninterrupted; and two epochs with ModelCheckpoint(save_top_k=1, save_last) then two more
+    resumed from ``last.ckpt``; also the files left in the checkpoint folder."""
+    fit_and_record("uninterrupted", outdir, ScapeStrategy(**SCAPE), max_epochs=4)
+    ckdir = checkpoint_dir(outdir)
+    ckpt = ModelCheckpoint(dirpath=ckdir, filename="e{epoch}", save_top_k=1, monitor="step", mode="max",
+                           save_last=True)
+    fit_and_record("first_half", outdir, ScapeStrategy(**SCAPE), max_epochs=2, enable_checkpointing=True,
+                   callbacks=[ckpt])
+    last = os.path.join(ckdir, "last.ckpt")
+    fit_and_record("resumed", outdir, ScapeStrategy(**SCAPE), max_epochs=4, ckpt_path=last)
+    save_output(outdir, "ckpt_files", dist.get_rank(), sorted(os.listdir(ckdir)) + sorted(os.listdir(last + ".scape")))
+
+
+def test_resume_continues_bitwise_identically(trainer_runs: str) -> None:
+    whole, resumed = runs(trainer_runs, "uninterrupted"), runs(trainer_runs, "resumed")
     assert_plain_replicas(resumed)
     for r in range(2):
         assert torch.equal(whole[r]["params"], resumed[r]["params"])
@@ -133,31 +390,83 @@ def test_resume_continues_bitwise_identically() -> None:
             assert same(whole[r]["engine"][key], resumed[r]["engine"][key]), (r, key)
     assert torch.equal(whole[0]["params"], reference(epochs=4)[0]["params"])
     # ModelCheckpoint(save_top_k=1) removed the epoch-0 checkpoint together with its per-rank files.
-    files = load_outputs(trainer_runs(), "ckpt_files")[0]
+    files = runs(trainer_runs, "ckpt_files")[0]
     assert files == ["eepoch=1.ckpt", "eepoch=1.ckpt.scape", "last.ckpt", "last.ckpt.scape",
                      "rank-00000.pt", "rank-00001.pt"]
 
 
-def test_checkpoint_from_another_configuration_is_refused() -> None:
-    for o in runs("other_config"):
+@scenario("trainer")
+def resume_with_another_configuration(outdir: str) -> None:
+    """Resuming ``last.ckpt`` with density 0.2 instead of 0.1: the error on each rank."""
+    last = os.path.join(checkpoint_dir(outdir), "last.ckpt")
+    expect_failure("other_config", outdir, lambda: pl.Trainer(
+        strategy=ScapeStrategy(**{**SCAPE, "density": 0.2}), **trainer_kwargs(max_epochs=3)
+    ).fit(LitModel(), loaders()[0], ckpt_path=last))
+
+
+def test_checkpoint_from_another_configuration_is_refused(trainer_runs: str) -> None:
+    for o in runs(trainer_runs, "other_config"):
         assert o["error"] is not None
         assert "another configuration" in o["error"] and "'density': (0.1, 0.2)" in o["error"]
         assert "Nothing was loaded" in o["error"]
 
 
-def test_truncated_rank_file_stops_every_rank_before_loading() -> None:
-    errors = [o["error"] for o in runs("truncated")]
+@scenario("trainer")
+def resume_with_a_truncated_rank_file(outdir: str) -> None:
+    """Resuming a copy of ``last.ckpt`` whose rank-1 file is cut in half: the error on each rank, and the
+    parameters before and after."""
+    last = os.path.join(checkpoint_dir(outdir), "last.ckpt")
+    bad = os.path.join(outdir, "bad.ckpt")
+    if dist.get_rank() == 0:
+        shutil.copy(last, bad)
+        shutil.copytree(last + ".scape", bad + ".scape")
+        with open(bad + ".scape/rank-00001.pt", "r+b") as f:
+            f.truncate(os.path.getsize(bad + ".scape/rank-00001.pt") // 2)
+    dist.barrier()
+    probe = LitModel()
+    before = flat(probe.parameters())
+
+    def resume_truncated() -> None:
+        pl.Trainer(strategy=ScapeStrategy(**SCAPE), **trainer_kwargs(max_epochs=3)).fit(probe, loaders()[0],
+                                                                                       ckpt_path=bad)
+
+    expect_failure("truncated", outdir, resume_truncated)
+    save_output(outdir, "truncated_params", dist.get_rank(), {"before": before, "after": flat(probe.parameters())})
+
+
+def test_truncated_rank_file_stops_every_rank_before_loading(trainer_runs: str) -> None:
+    errors = [o["error"] for o in runs(trainer_runs, "truncated")]
     assert "rank-00001.pt" in errors[1] and "truncated or corrupt" in errors[1]
     assert "failed on rank 1" in errors[0]  # rank 0's own file was fine; it stops too instead of hanging
-    for o in load_outputs(trainer_runs(), "truncated_params"):
+    for o in runs(trainer_runs, "truncated_params"):
         assert torch.equal(o["before"], o["after"])
 
 
-def test_resume_on_another_world_size_is_refused() -> None:
-    out = trainer_other_world_runs()
-    (result,) = load_outputs(out, "one_rank", world_size=1)
+@scenario("trainer_other_world")
+def resume_on_one_process(outdir: str, ckpt: str) -> None:
+    """One process resuming ``ckpt``, written by two: the error, and the parameters before and after."""
+    model = LitModel()
+    before = flat(model.parameters())
+    expect_failure("one_rank", outdir, lambda: pl.Trainer(
+        strategy=ScapeStrategy(**SCAPE), **trainer_kwargs(devices=1, max_epochs=3)
+    ).fit(model, loaders()[0], ckpt_path=ckpt))
+    save_output(outdir, "one_rank_params", 0, {"before": before, "after": flat(model.parameters())})
+
+
+@pytest.fixture(scope="module")
+def trainer_other_world_runs(trainer_runs: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The folder of what the "trainer_other_world" scenario saved: one process, the two-process ``last.ckpt``."""
+    out = str(tmp_path_factory.mktemp("trainer_w1"))
+    ckpt = os.path.join(checkpoint_dir(trainer_runs), "last.ckpt")
+    run_script(launcher_args("test_strategy_trainer", "trainer_other_world", out, ckpt), timeout_s=120,
+               env=child_env(MASTER_PORT=str(free_port())))
+    return out
+
+
+def test_resume_on_another_world_size_is_refused(trainer_runs: str, trainer_other_world_runs: str) -> None:
+    (result,) = load_outputs(trainer_other_world_runs, "one_rank", world_size=1)
     assert result["error"] is not None
     assert "written by 2 ranks, but this run has 1" in result["error"] and "Nothing was loaded" in result["error"]
-    (params,) = load_outputs(out, "one_rank_params", world_size=1)
+    (params,) = load_outputs(trainer_other_world_runs, "one_rank_params", world_size=1)
     assert torch.equal(params["before"], params["after"])
-    assert os.path.isdir(os.path.join(trainer_runs(), "ckpt", "last.ckpt.scape"))
+    assert os.path.isdir(os.path.join(checkpoint_dir(trainer_runs), "last.ckpt.scape"))

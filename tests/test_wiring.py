@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _lightning_common import make_net, param_groups
+from helpers import LR, SCAPE, flat, make_net, param_groups, random_batch, same
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.strategies import STRATEGY_REGISTRY
@@ -24,7 +24,7 @@ from lightning_scape.comm import Communicator
 from lightning_scape.config import OPTION_NAMES, ScapeOptions
 from lightning_scape.optimizer import to_adams
 
-CFG = ScapeConfig(density=0.1, chunk_size=64, dense_warmup_steps=2, bucket_cap_mb=0.004)
+CFG = ScapeConfig(**SCAPE)
 
 # ------------------------------------------------------------------------------------------ options
 
@@ -68,7 +68,7 @@ def test_registered_with_fabric_and_trainer_idempotently() -> None:
 
 def test_adamw_becomes_adams_sharing_its_param_groups() -> None:
     net = make_net()
-    adamw = torch.optim.AdamW(param_groups(net), lr=0.02, betas=(0.8, 0.9), eps=1e-6)
+    adamw = torch.optim.AdamW(param_groups(net, LR), lr=0.02, betas=(0.8, 0.9), eps=1e-6)
     adams = to_adams(adamw)
     assert isinstance(adams, AdamS)
     assert all(a is b for a, b in zip(adams.param_groups, adamw.param_groups, strict=True))
@@ -76,8 +76,8 @@ def test_adamw_becomes_adams_sharing_its_param_groups() -> None:
     assert adams.param_groups[0]["bias_correction"] is True
     adamw.param_groups[0]["lr"] = 0.5  # what an LR scheduler does
     assert adams.param_groups[0]["lr"] == 0.5
-    same = AdamS(net.parameters())
-    assert to_adams(same) is same
+    already_adams = AdamS(net.parameters())
+    assert to_adams(already_adams) is already_adams
 
 
 def test_unsupported_optimizers_are_refused_with_the_alternatives() -> None:
@@ -96,14 +96,10 @@ def test_unsupported_optimizers_are_refused_with_the_alternatives() -> None:
         to_adams(torch.optim.Adam(make_net().parameters(), weight_decay=0.1))
 
 
-def _batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 24, generator=g), torch.randn(8, 8, generator=g)
-
-
 def _train(opt: ScapeOptimizer, net: torch.nn.Module, sched: Any, steps: range) -> None:
+    """The given steps through ``opt.step(closure)``, then the schedule, on 8 samples seeded by the step."""
     for step in steps:
-        x, y = _batches(step)
+        x, y = random_batch(step, 8)
         opt.step(lambda x=x, y=y: torch.nn.functional.mse_loss(net(x), y).backward())
         sched.step()
         opt.zero_grad()
@@ -112,7 +108,7 @@ def _train(opt: ScapeOptimizer, net: torch.nn.Module, sched: Any, steps: range) 
 def test_scape_optimizer_steps_saves_and_resumes_exactly_in_one_process() -> None:
     def fresh() -> tuple[torch.nn.Module, ScapeOptimizer, Any]:
         net = make_net()
-        adamw = torch.optim.AdamW(param_groups(net), lr=0.02)
+        adamw = torch.optim.AdamW(param_groups(net, LR), lr=0.02)
         sched = torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: 1 / (1 + s))
         return net, wiring.build_scape_optimizer(adamw, CFG, net, None), sched
 
@@ -142,7 +138,7 @@ def test_scape_optimizer_steps_saves_and_resumes_exactly_in_one_process() -> Non
 
 def test_a_state_that_does_not_fit_changes_nothing() -> None:
     net = make_net()
-    opt = wiring.build_scape_optimizer(AdamS(param_groups(net), lr=0.01), CFG, net, None)
+    opt = wiring.build_scape_optimizer(AdamS(param_groups(net, LR), lr=0.01), CFG, net, None)
     _train(opt, net, torch.optim.lr_scheduler.LambdaLR(opt.adams, lambda s: 1.0), range(4))
     good = opt.state_dict()
     momentum = [bs.momentum.clone() for bs in opt.engine.buckets]
@@ -206,15 +202,16 @@ def _engine_run(
     rank: int, comm: Communicator, steps: int, check_finite: bool = False, scale: float | None = None,
     inject: int | None = None, early_norm: bool = False, max_norm: float | None = None,
 ) -> dict[str, Any]:
+    """One rank of ``steps`` engine steps on the tiny net; per step: skipped or not, the gradient norm, and
+    the parameters with each bucket's state (``inject``: an inf in rank 1's loss at that step)."""
     net = make_net()
     engine = ScapeEngine(
-        AdamS(param_groups(net), lr=0.01), CFG, comm, param_order=list(net.parameters()),
+        AdamS(param_groups(net, LR), lr=0.01), CFG, comm, param_order=list(net.parameters()),
         loss_scale=None if scale is None else (lambda: scale), skip_nonfinite=check_finite,
     )  # fmt: skip
     out: dict[str, Any] = {"skipped": [], "norms": [], "states": []}
     for step in range(steps):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 24, generator=g), torch.randn(8, 8, generator=g)
+        x, y = random_batch(100 * step + rank, 8)
         loss = torch.nn.functional.mse_loss(net(x), y)
         if inject == step and rank == 1:
             loss = loss * float("inf")
@@ -227,33 +224,25 @@ def _engine_run(
         engine.zero_grad()
         out["skipped"].append(engine.last_step_skipped)
         s = engine.state_dict()
-        out["states"].append((torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+        out["states"].append((flat(net.parameters()),
                               [(b["momentum"], b["residual"], b["last_sent"], b["masks"]) for b in s["buckets"]]))
     engine.close()
     return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def test_guarded_and_scaled_steps_equal_plain_steps_bitwise() -> None:
     plain = simulate(2, lambda r, c: _engine_run(r, c, 6))
     guarded = simulate(2, lambda r, c: _engine_run(r, c, 6, check_finite=True, scale=1024.0))
     for r in range(2):
-        assert _same(plain[r]["states"], guarded[r]["states"])
+        assert same(plain[r]["states"], guarded[r]["states"])
 
 
 def test_a_non_finite_step_is_skipped_everywhere_and_changes_nothing() -> None:
     out = simulate(2, lambda r, c: _engine_run(r, c, 6, check_finite=True, scale=64.0, inject=3))
     for o in out:
         assert o["skipped"] == [False, False, False, True, False, False]
-        assert _same(o["states"][2], o["states"][3])
-    assert _same(out[0]["states"][5][0], out[1]["states"][5][0])
+        assert same(o["states"][2], o["states"][3])
+    assert same(out[0]["states"][5][0], out[1]["states"][5][0])
     # Dense warm-up steps are guarded too.
     warm = simulate(2, lambda r, c: _engine_run(r, c, 3, check_finite=True, inject=0))
     assert [o["skipped"] for o in warm] == [[True, False, False]] * 2
@@ -264,4 +253,4 @@ def test_early_global_norm_is_the_clipping_norm_and_changes_nothing() -> None:
     early = simulate(2, lambda r, c: _engine_run(r, c, 5, max_norm=0.5, early_norm=True))
     for r in range(2):
         assert early[r]["norms"] == late[r]["norms"]
-        assert _same(early[r]["states"], late[r]["states"])
+        assert same(early[r]["states"], late[r]["states"])
