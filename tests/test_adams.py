@@ -1,4 +1,4 @@
-"""AdamS against an independent, element-by-element fp64 implementation of SCAPE_SPEC section 2."""
+"""AdamS against an independent, element-by-element fp64 implementation of docs/algorithm.md section 2."""
 
 from __future__ import annotations
 

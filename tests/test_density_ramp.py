@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from _scape_worker import make_batch, make_model, param_groups
+from helpers import make_batch, param_groups
+from helpers import make_net as make_model
 
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator

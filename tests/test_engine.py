@@ -257,7 +257,7 @@ def test_counters_equal_the_bytes_formula(world_size: int, sharded: bool) -> Non
         assert out["dense_eq"][step] == 2 * (W - 1) * n_real * b // W
     total = sum(out["sent"][-1].values())
     if sharded:
-        assert total == (W - 1) * dN * (b + b + bi) // W  # SCAPE_SPEC section 4, R = 1
+        assert total == (W - 1) * dN * (b + b + bi) // W  # docs/algorithm.md section 5, R = 1
 
 
 def test_world_size_one_sends_nothing() -> None:

@@ -40,7 +40,7 @@ def test_low_density_run_replicas_counters_and_simulation(world_size: int, dtype
     for step in range(8):
         for r in range(1, W):
             assert torch.equal(real[0]["params"][step], real[r]["params"][step]), (step, r)
-    # 2. Counters equal SCAPE_SPEC section 4 (sharded, R = 1) plus the clipping scalar all-reduce.
+    # 2. Counters equal docs/algorithm.md section 5 (sharded, R = 1) plus the clipping scalar all-reduce.
     cfg = ScapeConfig(**spec["config"])
     b = 8 if dtype == "float64" else 4
     N, dN = real[0]["padded_numel"], real[0]["slots"]
