@@ -1,26 +1,41 @@
-"""Quality of SCAPE's options against dense AdamS at equal steps, on real text (``docs/algorithm.md`` section 7).
+"""Quality of SCAPE against dense data-parallel AdamS at equal steps, on real text.
 
-    python benchmarks/quality.py --steps 400 --out out/quality            # every configuration
-    python benchmarks/quality.py --configs dense,default,no_catch_up       # a few
-    python benchmarks/quality.py --corpus prose                            # on English prose, not code
+One command per table of ``docs/benchmarks.md`` (section Quality); run them one after another (two cores:
+runs side by side slow each other down):
 
-Every configuration trains the README demo's model (``lightning_scape.workloads``: litgpt GPT, 0.86M
-parameters, byte-level) on one of the workloads' corpora (``--corpus``: ``stdlib``, the Python standard
-library's source, or ``prose``, the documentation that ships with Python; split into train and validation
-by file) with W simulated ranks (``lightning_scape.simulate``: the exact algorithm of W ranks, in threads),
-the same seed, data order, batch, LR schedule and clipping. Validation loss is measured on the same
-held-out batches every ``--eval-every`` steps. Output: a markdown table (also written to
-``OUT/quality.md``), a CSV of the curves and, with matplotlib, a PNG.
+    python benchmarks/quality.py --table headline      # defaults vs dense: 1000 steps, 2 corpora, 2 seeds
+    python benchmarks/quality.py --table horizons      # defaults vs dense: 300 and 3000 steps
+    python benchmarks/quality.py --table options       # every option against the defaults: 300 steps
+    python benchmarks/quality.py --table schedule      # warm-up and density ramp: 1000 steps
+    python benchmarks/quality.py --table scale         # a 5x larger model and a 4x larger batch: 1000 steps
+
+or any set of runs: ``--configs dense,default --corpora stdlib --steps 300 --seeds 0``.
+
+Every run trains the small litgpt GPT of ``lightning_scape.workloads`` (4 layers, 128 wide, 0.86M parameters,
+byte tokens) on one of its corpora (``stdlib``: the Python standard library's source; ``prose``: the
+documentation that ships with Python; both split into train and validation by file) with W = 2 simulated
+ranks (``lightning_scape.simulate``: the exact algorithm of W ranks, in threads), 16 sequences of 128 bytes
+per rank and step, AdamS with a cosine learning rate (peak 3e-3, 20 warm-up steps, zero at the last step)
+and global-norm clipping at 1.0. A seed fixes the initialisation and the data order; every configuration
+of a seed sees the same batches, and every run is evaluated on the same validation batches.
+
+Each finished run is appended to ``OUT/runs.jsonl``, and a command skips the runs already there, so a long
+command can be stopped and resumed. ``--report`` rewrites, from that file: ``OUT/quality.md`` (the tables),
+``OUT/curves.csv`` (validation loss and bytes at every evaluation) and ``OUT/<corpus>_<steps>.png``
+(validation loss against step and against bytes sent).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
+import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -39,144 +54,288 @@ from lightning_scape.workloads import (
 )
 
 DENSE = "dense"
-# build_model seeds torch's global generator, which the simulated ranks (threads) share: build one
-# model at a time, or each rank draws an interleaved part of the stream and the replicas start different.
+WORLD_SIZE = 2
+BLOCK = 128
+PEAK_LR = 3e-3
+CLIP = 1.0
+EVAL_BATCHES = 16  # 16 x 16 windows of 128 bytes: 32k validation tokens, the same for every run
+
+# Named configurations: ScapeConfig overrides of the package defaults. ``dense`` all-reduces every gradient
+# every step (what DDP sends) and steps AdamS: the baseline every ratio is taken against.
+CONFIGS: dict[str, dict[str, Any]] = {
+    DENSE: {"sharded": False, "dense_warmup_steps": 10**9},
+    "default": {},
+    "d0.1": {"density": 0.1},
+}
+
+# The tables of docs/benchmarks.md: (configurations, corpora, steps, seeds, model preset, batch).
+TABLES: dict[str, list[tuple[list[str], list[str], int, list[int], str, int]]] = {
+    "headline": [([DENSE, "default"], ["stdlib", "prose"], 1000, [0, 1], "small", 16)],
+    "horizons": [
+        ([DENSE, "default"], ["stdlib", "prose"], 300, [0, 1], "small", 16),
+        ([DENSE, "default"], ["stdlib", "prose"], 3000, [0], "small", 16),
+    ],
+    "options": [([DENSE, "default", "d0.1"], ["stdlib"], 300, [0], "small", 16)],
+    "schedule": [([DENSE, "default"], ["stdlib"], 1000, [0], "small", 16)],
+    "scale": [
+        ([DENSE, "default"], ["stdlib"], 1000, [0], "base", 16),
+        ([DENSE, "default"], ["stdlib"], 1000, [0], "small", 64),
+    ],
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: a configuration on a corpus for a number of steps, with a seed."""
+
+    config: str
+    corpus: str
+    steps: int
+    seed: int
+    model: str = "small"
+    batch: int = 16
+
+    @property
+    def key(self) -> str:
+        return f"{self.config}|{self.corpus}|{self.steps}|{self.seed}|{self.model}|{self.batch}"
+
+    def dense_twin(self) -> Run:
+        return Run(DENSE, self.corpus, self.steps, self.seed, self.model, self.batch)
+
+
+def scape_config(name: str) -> ScapeConfig:
+    """The configuration a name stands for (unknown names raise with the list of known ones)."""
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown configuration {name!r}; choose from {sorted(CONFIGS)}")
+    return ScapeConfig(**CONFIGS[name])
+
+
+def eval_every(steps: int) -> int:
+    """Twenty to thirty points per curve."""
+    return 10 if steps <= 300 else 50 if steps <= 1000 else 100
+
+
+# build_model seeds torch's global generator, which the simulated ranks (threads) share: build one model
+# at a time, or each rank draws an interleaved part of the stream and the replicas start different.
 _INIT_LOCK = threading.Lock()
 
 
-def configurations(density: float, warmup: int) -> dict[str, dict[str, Any]]:
-    """Named ScapeConfig overrides; ``dense`` is data-parallel AdamS (all-reduce every step)."""
-    base: dict[str, Any] = {"density": density, "dense_warmup_steps": warmup}
-    return {
-        DENSE: {"sharded": False, "dense_warmup_steps": 10**9},
-        "default": base,
-        "no_catch_up": {**base, "catch_up": False},  # the algorithm as first written, without any correction
-        "replicated": {**base, "sharded": False},
-        "momentum_unmasked": {**base, "sharded": False, "unmasked_update": "momentum"},
-        "staleness": {**base, "catch_up": False, "staleness_correction": True},
-        "staleness+catch_up": {**base, "staleness_correction": True},
-        "gradient_stat": {**base, "mask_statistic": "gradient"},
-        "random_stat": {**base, "mask_statistic": "random"},
-        "explore0": {**base, "exploration": 0.0},
-        "explore0.3": {**base, "exploration": 0.3},
-        "lr_x2": {**base, "sparse_lr_scale": 2.0},
-        "d0.1": {**base, "density": 0.1},
-        "catch_up_cap8": {**base, "catch_up_cap": 8.0},
-        "catch_up_cap64": {**base, "catch_up_cap": 64.0},
-        "catch_up_cap128": {**base, "catch_up_cap": 128.0},
-    }
-
-
-def train(
-    rank: int,
-    comm: Communicator,
-    cfg: ScapeConfig,
-    args: argparse.Namespace,
-    tokens: tuple[torch.Tensor, torch.Tensor],
-) -> dict[str, Any]:
-    """One rank's run on ``tokens`` (train, validation); rank 0 returns the loss curves."""
+def train(rank: int, comm: Communicator, run: Run, tokens: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    """One simulated rank's run; every rank returns its losses, rank 0's record holds the curves."""
     torch.set_num_threads(1)
     train_tokens, val_tokens = tokens
     with _INIT_LOCK:
-        model = build_model(args.block_size)
-    opt = adams_optimizer(model, args.lr)
-    engine = ScapeEngine(opt, cfg, comm, list(model.parameters()))
-    gen = torch.Generator().manual_seed(1234 + rank)
-    curve: list[tuple[int, float, float]] = []
-    window: list[float] = []
-    for step in range(args.steps):
-        set_cosine_lr(opt, step, args.steps, args.lr)
-        x, y = sample_batch(train_tokens, gen, args.batch_size, args.block_size)
+        model = build_model(BLOCK, preset=run.model, seed=run.seed)
+    opt = adams_optimizer(model, PEAK_LR)
+    engine = ScapeEngine(opt, scape_config(run.config), comm, list(model.parameters()))
+    gen = torch.Generator().manual_seed(1234 + rank + 1000 * run.seed)
+    losses, step_bytes, curve = [], [], []
+    every = eval_every(run.steps)
+    for step in range(run.steps):
+        set_cosine_lr(opt, step, run.steps, PEAK_LR)
+        x, y = sample_batch(train_tokens, gen, run.batch, BLOCK)
         loss = lm_loss(model, x, y)
         loss.backward()
-        engine.step(max_grad_norm=1.0)
+        engine.step(max_grad_norm=CLIP)
         engine.zero_grad()
-        window = ([*window, float(loss.detach())])[-20:]
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            val = validation_loss(model, val_tokens, args.block_size, args.eval_batches)
-            curve.append((step + 1, sum(window) / len(window), val))
-    sent = engine.counters.total_sent_bytes / args.steps
+        losses.append(float(loss.detach()))
+        step_bytes.append(engine.counters.step_sent_bytes)
+        done = step + 1
+        if done % every == 0 or done == run.steps:
+            model.eval()
+            val = validation_loss(model, val_tokens, BLOCK, EVAL_BATCHES)
+            model.train()
+            curve.append((done, val, engine.counters.total_sent_bytes))
+    record = {
+        "losses": losses,
+        "curve": curve,
+        "step_bytes": step_bytes,
+        "dense_equivalent_per_step": engine.counters.total_dense_equivalent / run.steps,
+    }
     engine.close()
-    return {"curve": curve, "bytes_per_step": sent}
+    return record
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="all", help="comma-separated names, or 'all'")
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--warmup", type=int, default=30, help="dense warm-up steps of the SCAPE runs")
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
-    ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--eval-every", type=int, default=100)
-    ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--corpus", choices=CORPORA, default="stdlib", help="the text: Python's source or its docs")
-    ap.add_argument("--max-bytes", type=int, default=4_000_000, help="bytes of the corpus to read (files sorted)")
-    ap.add_argument("--out", default="out/quality")
-    args = ap.parse_args()
+def run_one(run: Run, tokens: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    """Train ``run`` on W simulated ranks; the record written to ``runs.jsonl``."""
+    t0 = time.perf_counter()
+    per_rank = simulate(WORLD_SIZE, lambda rank, comm: train(rank, comm, run, tokens))
+    rank0 = per_rank[0]
+    train_loss = [sum(x) / WORLD_SIZE for x in zip(*(r["losses"] for r in per_rank), strict=True)]
+    cfg = scape_config(run.config)
+    return {
+        **asdict(run),
+        "scape_config": cfg.to_dict(),
+        "curve": rank0["curve"],
+        "train_loss": train_loss,
+        "step_bytes": rank0["step_bytes"],
+        "dense_equivalent_per_step": rank0["dense_equivalent_per_step"],
+        "seconds": time.perf_counter() - t0,
+    }
 
-    table = configurations(args.density, args.warmup)
-    names = list(table) if args.configs == "all" else args.configs.split(",")
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        raise SystemExit(f"unknown configurations {unknown}; choose from {list(table)}")
-    if DENSE not in names:
-        names.insert(0, DENSE)
-    os.makedirs(args.out, exist_ok=True)
-    # Read once here: the simulated ranks are threads of this process and share the (read-only) tokens.
-    tokens = corpus_tokens(args.corpus, args.max_bytes)
-    print(f"corpus {args.corpus}: {len(tokens[0]):,} train and {len(tokens[1]):,} validation tokens", flush=True)
-    results: dict[str, dict[str, Any]] = {}
-    for name in names:
-        cfg = ScapeConfig(**table[name])
-        t0 = time.perf_counter()
-        worker: Callable[[int, Communicator], dict[str, Any]] = lambda r, c, cfg=cfg: train(r, c, cfg, args, tokens)  # noqa: E731
-        results[name] = simulate(args.world_size, worker)[0]
-        final = results[name]["curve"][-1]
-        print(f"{name:<20} val {final[2]:.4f}  train {final[1]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    dense_val = results[DENSE]["curve"][-1][2]
-    dense_bytes = results[DENSE]["bytes_per_step"]
-    lines = [
-        f"{args.corpus} corpus, W={args.world_size} (simulated), {args.steps} steps, density {args.density}, "
-        f"warm-up {args.warmup}, batch {args.batch_size}x{args.block_size} per rank, lr {args.lr} cosine, clip 1.0",
-        "",
-        "| configuration | val loss | vs dense | train loss | bytes vs dense (warm-up included) |",
-        "|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        _, tr, val = r["curve"][-1]
-        lines.append(
-            f"| {name} | {val:.4f} | {val / dense_val:.3f} | {tr:.4f} | {r['bytes_per_step'] / dense_bytes:.4f} |"
+def load_runs(path: str) -> dict[str, dict[str, Any]]:
+    """The finished runs of ``runs.jsonl`` by key."""
+    out: dict[str, dict[str, Any]] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                out[Run(**{k: rec[k] for k in Run.__dataclass_fields__}).key] = rec
+    return out
+
+
+def planned(table: str | None, args: argparse.Namespace) -> list[Run]:
+    """The runs of a table, or of the command line's configurations, corpora, steps and seeds."""
+    specs = TABLES[table] if table else [
+        (args.configs.split(","), args.corpora.split(","), args.steps, [int(s) for s in args.seeds.split(",")],
+         args.model, args.batch)
+    ]  # fmt: skip
+    runs: list[Run] = []
+    for configs, corpora, steps, seeds, model, batch in specs:
+        for corpus in corpora:
+            if corpus not in CORPORA:
+                raise SystemExit(f"unknown corpus {corpus!r}; choose from {list(CORPORA)}")
+            for seed in seeds:
+                for name in [DENSE] + [c for c in configs if c != DENSE]:  # the baseline of each seed first
+                    scape_config(name)
+                    runs.append(Run(name, corpus, steps, seed, model, batch))
+    return runs
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def sparse_phase_bytes(rec: dict[str, Any]) -> float:
+    """Mean bytes of the steps at the final density (after the dense warm-up and the density ramp)."""
+    cfg = ScapeConfig(**rec["scape_config"])
+    first = cfg.dense_warmup_steps + max(cfg.density_ramp_steps, 1)
+    tail = rec["step_bytes"][first:] or rec["step_bytes"]
+    return sum(tail) / len(tail)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.mean(values):.4f}" + (f" ± {statistics.pstdev(values):.4f}" if len(values) > 1 else "")
+
+
+def table_rows(runs: Iterable[Run], done: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown rows: one per (configuration, corpus, steps, model, batch), seeds pooled."""
+    groups: dict[tuple[str, str, int, str, int], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.config, run.corpus, run.steps, run.model, run.batch), []).append(run)
+    rows = []
+    for (name, corpus, steps, model, batch), members in groups.items():
+        recs = [done[r.key] for r in members if r.key in done and r.dense_twin().key in done]
+        if not recs:
+            continue
+        dense = [done[Run(**{k: rec[k] for k in Run.__dataclass_fields__}).dense_twin().key] for rec in recs]
+        vals = [rec["curve"][-1][1] for rec in recs]
+        ratios = [v / d["curve"][-1][1] for v, d in zip(vals, dense, strict=True)]
+        ddp = [rec["dense_equivalent_per_step"] for rec in recs]
+        whole = [rec["curve"][-1][2] / (d * steps) for rec, d in zip(recs, ddp, strict=True)]
+        sparse = [sparse_phase_bytes(rec) / d for rec, d in zip(recs, ddp, strict=True)]
+        rows.append(
+            f"| {name} | {corpus} | {model} | {batch} | {steps} | {len(recs)} | {_spread(vals)} | "
+            f"{_spread(ratios)} | {statistics.mean(whole):.4f} | 1/{1 / statistics.mean(sparse):.0f} |"
         )
-    report = "\n".join(lines)
-    print("\n" + report)
-    with open(os.path.join(args.out, "quality.md"), "w") as f:
-        f.write(report + "\n")
-    with open(os.path.join(args.out, "quality.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["configuration", "step", "train_loss", "val_loss"])
-        for name, r in results.items():
-            for step, tr, val in r["curve"]:
-                w.writerow([name, step, f"{tr:.5f}", f"{val:.5f}"])
+    return rows
+
+
+HEADER = [
+    "| configuration | corpus | model | batch/rank | steps | seeds | val loss | vs dense | bytes vs DDP (run) "
+    "| bytes vs DDP (sparse step) |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+]
+
+
+def write_report(out: str, done: dict[str, dict[str, Any]]) -> str:
+    """``quality.md``, ``curves.csv`` and one plot per (corpus, steps) from every finished run."""
+    runs = [Run(**{k: rec[k] for k in Run.__dataclass_fields__}) for rec in done.values()]
+    lines = [
+        f"W = {WORLD_SIZE} (simulated), 128-byte sequences, AdamS, cosine LR peak {PEAK_LR}, clip {CLIP}; "
+        "'vs dense': final validation loss over dense AdamS's with the same seed (mean ± spread over seeds); "
+        "bytes: rank 0's, over what DDP's all-reduce of the same gradients sends.",
+        "",
+        *HEADER,
+        *table_rows(runs, done),
+    ]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "quality.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "curves.csv"), "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(["configuration", "corpus", "model", "batch", "steps", "seed", "step", "val_loss", "bytes_sent"])
+        for rec in done.values():
+            for step, val, sent in rec["curve"]:
+                w.writerow([rec["config"], rec["corpus"], rec["model"], rec["batch"], rec["steps"], rec["seed"],
+                            step, f"{val:.5f}", sent])  # fmt: skip
+    plot(out, done)
+    return text
+
+
+def plot(out: str, done: dict[str, dict[str, Any]]) -> None:
+    """Validation loss against step and against cumulative bytes, one figure per (corpus, steps, model, batch)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 5))
-        for name, r in results.items():
-            steps = [c[0] for c in r["curve"]]
-            ax.plot(steps, [c[2] for c in r["curve"]], label=name, lw=2.5 if name == DENSE else 1.2)
-        ax.set_xlabel("step")
-        ax.set_ylabel("validation loss (nats/byte)")
-        ax.legend(fontsize=7)
-        fig.savefig(os.path.join(args.out, "quality.png"), dpi=120, bbox_inches="tight")
+        from matplotlib.figure import Figure
     except ImportError:
-        print("matplotlib is not installed: no plot")
+        print("matplotlib is not installed: no plots (pip install matplotlib)")
+        return
+    figures: dict[tuple[str, int, str, int], list[dict[str, Any]]] = {}
+    for rec in done.values():
+        figures.setdefault((rec["corpus"], rec["steps"], rec["model"], rec["batch"]), []).append(rec)
+    for (corpus, steps, model, batch), recs in figures.items():
+        fig = Figure(figsize=(13, 4.8), layout="constrained")
+        by_step, by_bytes = fig.subplots(1, 2)
+        names = sorted({r["config"] for r in recs}, key=lambda n: (n != DENSE, n))
+        colors = {n: f"C{i}" for i, n in enumerate(names)}
+        for rec in sorted(recs, key=lambda r: (r["config"], r["seed"])):
+            steps_, vals, sent = zip(*rec["curve"], strict=True)
+            style = {"color": colors[rec["config"]], "lw": 2.2 if rec["config"] == DENSE else 1.2,
+                     "ls": "-" if rec["seed"] == 0 else "--"}  # fmt: skip
+            label = f"{rec['config']} (seed {rec['seed']})"
+            by_step.plot(steps_, vals, label=label, **style)
+            by_bytes.plot(sent, vals, label=label, **style)
+        by_step.set(xlabel="step", ylabel="validation loss (nats/byte)", title=f"{corpus}, {steps} steps")
+        by_bytes.set(xlabel="bytes sent by rank 0 (cumulative)", xscale="log", title="against bytes sent")
+        for ax in (by_step, by_bytes):
+            ax.grid(alpha=0.3)
+        by_step.legend(fontsize=7)
+        suffix = "" if (model, batch) == ("small", 16) else f"_{model}_b{batch}"
+        fig.savefig(os.path.join(out, f"{corpus}_{steps}{suffix}.png"), dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--table", choices=sorted(TABLES), help="run one table of docs/benchmarks.md")
+    ap.add_argument("--configs", default="dense,default", help=f"comma-separated, from {sorted(CONFIGS)}")
+    ap.add_argument("--corpora", default="stdlib", help=f"comma-separated, from {list(CORPORA)}")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds")
+    ap.add_argument("--model", default="small", help="a preset of lightning_scape.workloads.MODEL_PRESETS")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
+    ap.add_argument("--out", default="out/quality")
+    ap.add_argument("--report", action="store_true", help="only rewrite the report from OUT/runs.jsonl")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "runs.jsonl")
+    done = load_runs(path)
+    if not args.report:
+        tokens: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for run in planned(args.table, args):
+            if run.key in done:
+                continue
+            if run.corpus not in tokens:  # read once: the simulated ranks are threads sharing the tokens
+                tokens[run.corpus] = corpus_tokens(run.corpus)  # type: ignore[arg-type]
+            rec = run_one(run, tokens[run.corpus])
+            done[run.key] = rec
+            with open(path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            ratio = ""
+            twin = done.get(run.dense_twin().key)
+            if twin is not None and run.config != DENSE:
+                ratio = f", {rec['curve'][-1][1] / twin['curve'][-1][1]:.4f} x dense"
+            print(f"{run.key}: val {rec['curve'][-1][1]:.4f}{ratio} ({rec['seconds']:.0f} s)", flush=True)
+    print(write_report(args.out, done))
 
 
 if __name__ == "__main__":
