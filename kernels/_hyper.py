@@ -28,6 +28,8 @@ class AdamSHyper:
             was last sent) in the second-moment term.
         catch_up: Sparse steps: multiply the update by ``min(tau, catch_up_cap)``.
         catch_up_cap: Cap of the catch-up factor.
+        interval: Sparse steps: the interval update (``kernels/sparse_adams.py``) instead of one AdamS step.
+        interval_cap: The interval update moves a coordinate by at most this many steps' worth.
     """
 
     step: int
@@ -41,6 +43,8 @@ class AdamSHyper:
     staleness_correction: bool = False
     catch_up: bool = False
     catch_up_cap: float = 1.0
+    interval: bool = False
+    interval_cap: float = float("inf")
 
     @property
     def bias_c(self) -> float:

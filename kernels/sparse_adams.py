@@ -47,21 +47,60 @@ def sparse_adams_ref(
     h = hyper
     pos = mask_positions(mask, chunk_size)
     sdt = momentum.dtype
-    c = h.bias_c
     theta = param.index_select(0, pos).to(sdt)
     m_prev = momentum.index_select(0, pos)
     g = gbar.to(sdt)
+    if h.interval:
+        age = (h.step - last_sent.index_select(0, pos)).to(sdt)
+        m, disp = _interval_update(m_prev, g, age, h)
+        # A coordinate sent again at once (tau = 1) takes exactly AdamS's step, computed as below.
+        one = age == 1
+        if bool(one.any()):
+            m_one, upd_one = _adams_step(m_prev, g, h)
+            m, disp = torch.where(one, m_one, m), torch.where(one, upd_one, disp)
+        out.copy_(theta.mul_(h.decay).sub_(disp, alpha=h.update_lr))
+        momentum.index_copy_(0, pos, m)
+        last_sent.index_fill_(0, pos, h.step)
+        return
     tau = (h.step - last_sent.index_select(0, pos)).to(sdt) if (h.staleness_correction or h.catch_up) else None
-    g2 = (g / tau).square() if (h.staleness_correction and tau is not None) else g.square()
-    nu = (m_prev / c).square_().mul_(h.beta2).add_(g2, alpha=1.0 - h.beta2)
-    m = m_prev.mul(h.beta1).add_(g, alpha=1.0 - h.beta1)
-    upd = (m / c).div_(nu.sqrt_().add_(h.eps))
+    g2 = (g / tau).square() if (h.staleness_correction and tau is not None) else None
+    m, upd = _adams_step(m_prev, g, h, g2)
     if h.catch_up and tau is not None:
         upd.mul_(tau.clamp(max=h.catch_up_cap))
     new = theta.mul_(h.decay).sub_(upd, alpha=h.update_lr)
     out.copy_(new)
     momentum.index_copy_(0, pos, m)
     last_sent.index_fill_(0, pos, h.step)
+
+
+def _adams_step(m_prev: Tensor, g: Tensor, h: AdamSHyper, g2: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One AdamS step from ``g``: the new momentum and the update in units of the learning rate.
+
+    ``g2`` replaces ``g**2`` in the second moment (the staleness correction).
+    """
+    c = h.bias_c
+    nu = (m_prev / c).square_().mul_(h.beta2).add_(g.square() if g2 is None else g2, alpha=1.0 - h.beta2)
+    m = m_prev.mul(h.beta1).add_(g, alpha=1.0 - h.beta1)
+    return m, (m / c).div_(nu.sqrt_().add_(h.eps))
+
+
+def _interval_update(m_prev: Tensor, g: Tensor, tau: Tensor, h: AdamSHyper) -> tuple[Tensor, Tensor]:
+    """The new momentum and the displacement (in units of the learning rate) of the interval update."""
+    c, b1, b2 = h.bias_c, h.beta1, h.beta2
+    gm = g / tau  # the mean gradient of the interval
+    mp = m_prev / c
+    # Per-step second moment: E[g^2] = mean^2 + noise; the accumulated g alone over-states it by
+    # (tau - 1) mean^2 for a steady coordinate, which the momentum (the mean before the interval) removes.
+    v = torch.maximum(g.square().div_(tau).sub_(mp.square().mul_(tau - 1)), gm.square())
+    nu = mp.square().mul_(b2).add_(v, alpha=1.0 - b2)
+    decay = torch.pow(torch.full_like(tau, b1), tau)  # b1 ** tau
+    carried = decay.neg().add_(1.0).mul_(b1 / (1.0 - b1))  # steps of movement left in the old momentum
+    m = m_prev * decay + gm * decay.neg().add_(1.0)
+    disp = (m_prev * carried + gm * (tau - carried)).div_(c).div_(nu.sqrt_().add_(h.eps))
+    # Dense AdamS moves a coordinate by at most B = sqrt(b1^2 / b2 + (1 - b1)^2 / (c^2 (1 - b2))) per step
+    # (Cauchy-Schwarz on its update); 1.026 with the default betas once c is 1.
+    bound = tau.clamp(max=h.interval_cap).mul_((b1 * b1 / b2 + (1.0 - b1) ** 2 / (c * c * (1.0 - b2))) ** 0.5)
+    return m, torch.minimum(torch.maximum(disp, -bound), bound)
 
 
 if HAS_TRITON:

@@ -12,10 +12,12 @@ from lightning_scape.kernels import MAX_CHUNK_SIZE
 MaskStatistic = Literal["momentum", "gradient", "random"]
 UnmaskedUpdate = Literal["frozen", "momentum"]
 RampShape = Literal["geometric", "linear"]
+SparseUpdate = Literal["interval", "catch_up"]
 
 MASK_STATISTICS: tuple[str, ...] = ("momentum", "gradient", "random")
 UNMASKED_UPDATES: tuple[str, ...] = ("frozen", "momentum")
 RAMP_SHAPES: tuple[str, ...] = ("geometric", "linear")
+SPARSE_UPDATES: tuple[str, ...] = ("interval", "catch_up")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,12 @@ class ScapeConfig:
             parameter changes only by weight decay (works sharded and replicated). ``"momentum"``
             (replicated only): every rank applies AdamS with g = 0 outside the mask, so every
             coordinate moves every step along its momentum.
+        sparse_update: How a sent coordinate is updated. ``"interval"``: as dense AdamS would have moved it
+            over the tau steps since it was last sent if its accumulated gradient had arrived evenly (the
+            momentum decays by ``b1**tau``, the displacement integrates the old momentum and the mean
+            gradient, the second moment is estimated per step); ``"catch_up"``: one AdamS step from the
+            accumulated gradient, scaled by ``catch_up`` / ``catch_up_cap`` and ``staleness_correction``.
+        interval_cap: ``"interval"``: a coordinate moves by at most this many steps' worth at a time.
         staleness_correction: Divide the averaged value by the number of steps since the coordinate
             was last sent, in the second-moment term only, so a residual flushed after tau steps does
             not inflate the normaliser.
@@ -90,6 +98,8 @@ class ScapeConfig:
     mask_statistic: MaskStatistic = "momentum"
     exploration: float = 0.1
     unmasked_update: UnmaskedUpdate = "frozen"
+    sparse_update: SparseUpdate = "catch_up"
+    interval_cap: float = float("inf")
     staleness_correction: bool = False
     catch_up: bool = True
     catch_up_cap: float = 32.0
@@ -182,6 +192,10 @@ def _validate(cfg: ScapeConfig) -> None:
             'unmasked_update="momentum" needs the full momentum on every rank; '
             "set sharded=False, or keep unmasked_update='frozen' with sharding."
         )
+    if cfg.sparse_update not in SPARSE_UPDATES:
+        fail(f"sparse_update={cfg.sparse_update!r} is unknown; choose one of {SPARSE_UPDATES}.")
+    if not (cfg.interval_cap >= 1.0):
+        fail(f"interval_cap={cfg.interval_cap!r} must be >= 1 (steps of movement).")
     if not (cfg.catch_up_cap >= 1.0):
         fail(f"catch_up_cap={cfg.catch_up_cap!r} must be >= 1.")
     if not (cfg.sparse_lr_scale > 0.0):
@@ -206,6 +220,8 @@ class ScapeOptions(TypedDict, total=False):
     mask_statistic: MaskStatistic
     exploration: float
     unmasked_update: UnmaskedUpdate
+    sparse_update: SparseUpdate
+    interval_cap: float
     staleness_correction: bool
     catch_up: bool
     catch_up_cap: float

@@ -32,9 +32,10 @@ def sim(world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- density 1 is data-parallel AdamS
 
 
+@pytest.mark.parametrize("sparse_update", ["interval", "catch_up"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("sharded", [True, False])
-def test_density_one_reproduces_data_parallel_adams(world_size: int, sharded: bool) -> None:
+def test_density_one_reproduces_data_parallel_adams(world_size: int, sharded: bool, sparse_update: str) -> None:
     spec = {
         "steps": 20,
         "config": {
@@ -43,6 +44,7 @@ def test_density_one_reproduces_data_parallel_adams(world_size: int, sharded: bo
             "dense_warmup_steps": 0,
             "sharded": sharded,
             "exploration": 0.0,
+            "sparse_update": sparse_update,
         },
     }
     ref = reference_dense_adams(spec, world_size)

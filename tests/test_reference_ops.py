@@ -149,3 +149,29 @@ def test_dense_adams_with_no_gradient_moves_along_the_momentum() -> None:
     # nu = 0.95 * 0.04, m = 0.18, step = 0.1 * 0.18 / sqrt(0.038)
     assert m.item() == pytest.approx(0.18)
     assert p.item() == pytest.approx(1.0 - 0.1 * 0.18 / math.sqrt(0.95 * 0.04))
+
+
+def test_the_interval_update_integrates_adams_over_the_interval_by_hand() -> None:
+    """Coordinate 1 was last sent at step 94 and is sent at step 100 with accumulated 6.0: tau = 6."""
+    b1, b2, eps, lr, wd, t, tau = 0.9, 0.95, 1e-8, 0.1, 0.1, 100, 6
+    m_prev, g, theta = 0.5, 6.0, 2.0
+    c = 1 - b1**t
+    mean = g / tau
+    v = max(g**2 / tau - (tau - 1) * (m_prev / c) ** 2, mean**2)
+    nu = b2 * (m_prev / c) ** 2 + (1 - b2) * v
+    carried = b1 * (1 - b1**tau) / (1 - b1)  # sum of b1**s for s = 1..tau
+    disp = (m_prev * carried + mean * (tau - carried)) / c / (math.sqrt(nu) + eps)
+    bound = (b1**2 / b2 + (1 - b1) ** 2 / (c**2 * (1 - b2))) ** 0.5
+    for cap, moved in ((1000.0, disp), (2.0, 2 * bound)):
+        param = torch.tensor([1.0, theta, 3.0, 4.0], dtype=torch.float64)
+        m = torch.tensor([0.5, m_prev, 0.25, 0.0], dtype=torch.float64)
+        last = torch.tensor([99, 94, 99, 99], dtype=torch.int32)
+        out = torch.empty(1, dtype=torch.float64)
+        hyper = AdamSHyper(step=t, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, interval=True, interval_cap=cap)
+        sparse_adams_ref(param, m, last, torch.tensor([g], dtype=torch.float64), torch.tensor([[1]], dtype=torch.int16),
+                         4, out, hyper)  # fmt: skip
+        assert out.item() == pytest.approx(theta * (1 - lr * wd) - lr * moved, rel=1e-12)
+        assert m[1].item() == pytest.approx(b1**tau * m_prev + (1 - b1**tau) * mean, rel=1e-12)
+        assert last.tolist() == [99, 100, 99, 99]
+    assert 2 * bound < disp < tau * bound  # the bound of tau steps is not reached, the cap of 2 steps is
+

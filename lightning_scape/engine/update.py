@@ -48,6 +48,8 @@ def step_hyper(group: Mapping[str, Any], step: int, config: ScapeConfig, sparse:
         staleness_correction=config.staleness_correction,
         catch_up=config.catch_up,
         catch_up_cap=config.catch_up_cap,
+        interval=config.sparse_update == "interval",
+        interval_cap=config.interval_cap,
     )
 
 
