@@ -77,7 +77,6 @@ def sparse_adams(
         and param.dtype in LOW_FLOATS
         and gbar.dtype in LOW_FLOATS
         and out.dtype in LOW_FLOATS
-        and not hyper.interval
     ):
         fn = sparse_adams_triton
     fn(param, momentum, last_sent, gbar, mask, chunk_size, out, hyper)

@@ -13,6 +13,8 @@ For each slot (coordinate j, averaged value g, step t, c = 1 - b1**t or 1):
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -73,6 +75,16 @@ def sparse_adams_ref(
     last_sent.index_fill_(0, pos, h.step)
 
 
+def interval_bound_per_step(h: AdamSHyper) -> float:
+    """B: the most dense AdamS moves a coordinate in one step, in units of the learning rate.
+
+    Cauchy-Schwarz on its update gives ``B = sqrt(b1^2 / b2 + (1 - b1)^2 / (c^2 (1 - b2)))``: 1.026 with the
+    default betas once the bias correction c is 1. The interval update moves by at most ``min(tau, cap) B``.
+    """
+    c = h.bias_c
+    return (h.beta1**2 / h.beta2 + (1.0 - h.beta1) ** 2 / (c * c * (1.0 - h.beta2))) ** 0.5
+
+
 def _adams_step(m_prev: Tensor, g: Tensor, h: AdamSHyper, g2: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One AdamS step from ``g``: the new momentum and the update in units of the learning rate.
 
@@ -93,13 +105,11 @@ def _interval_update(m_prev: Tensor, g: Tensor, tau: Tensor, h: AdamSHyper) -> t
     # (tau - 1) mean^2 for a steady coordinate, which the momentum (the mean before the interval) removes.
     v = torch.maximum(g.square().div_(tau).sub_(mp.square().mul_(tau - 1)), gm.square())
     nu = mp.square().mul_(b2).add_(v, alpha=1.0 - b2)
-    decay = torch.pow(torch.full_like(tau, b1), tau)  # b1 ** tau
+    decay = torch.exp2(tau * (math.log2(b1) if b1 > 0 else -math.inf))  # b1 ** tau, as the kernel computes it
     carried = decay.neg().add_(1.0).mul_(b1 / (1.0 - b1))  # steps of movement left in the old momentum
     m = m_prev * decay + gm * decay.neg().add_(1.0)
     disp = (m_prev * carried + gm * (tau - carried)).div_(c).div_(nu.sqrt_().add_(h.eps))
-    # Dense AdamS moves a coordinate by at most B = sqrt(b1^2 / b2 + (1 - b1)^2 / (c^2 (1 - b2))) per step
-    # (Cauchy-Schwarz on its update); 1.026 with the default betas once c is 1.
-    bound = tau.clamp(max=h.interval_cap).mul_((b1 * b1 / b2 + (1.0 - b1) ** 2 / (c * c * (1.0 - b2))) ** 0.5)
+    bound = tau.clamp(max=h.interval_cap).mul_(interval_bound_per_step(h))
     return m, torch.minimum(torch.maximum(disp, -bound), bound)
 
 
@@ -125,10 +135,14 @@ if HAS_TRITON:
         decay: tl.tensor,
         neg_lr_update: tl.tensor,
         cap: tl.tensor,
+        log2_b1: tl.tensor,
+        b1_over_one_minus_b1: tl.tensor,
+        bound_per_step: tl.tensor,
         C: tl.constexpr,
         BLOCK: tl.constexpr,
         STALENESS: tl.constexpr,
         CATCH_UP: tl.constexpr,
+        INTERVAL: tl.constexpr,
     ) -> None:
         # One lane per slot; slot s is column s % k of chunk row s // k.
         s = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -140,7 +154,7 @@ if HAS_TRITON:
         g = tl.load(gbar_ptr + s, mask=live, other=0.0).to(tl.float32)
         # Same operations, in the same order and with the same fused multiply-adds, as the ref (its
         # add_(x, alpha=a) is one fma on CPU and CUDA); IEEE division and sqrt like PyTorch's.
-        if STALENESS or CATCH_UP:
+        if STALENESS or CATCH_UP or INTERVAL:
             last = tl.load(last_ptr + pos, mask=live, other=0)
             tau = (step - last).to(tl.float32)
         if STALENESS:
@@ -154,6 +168,20 @@ if HAS_TRITON:
         upd = tl.div_rn(tl.div_rn(m, c), tl.sqrt_rn(nu) + eps)
         if CATCH_UP:
             upd = upd * tl.minimum(tau, cap)
+        if INTERVAL:
+            # _interval_update's formulas; its exp2 and the interpreter's (numpy) may differ in the last bit.
+            gm = tl.div_rn(g, tau)
+            v = tl.maximum(tl.div_rn(g * g, tau) - (tau - 1.0) * (mc * mc), gm * gm)
+            nu_i = tl.fma(v, one_minus_b2, mc * mc * beta2)
+            a = tl.exp2(tau * log2_b1)
+            carried = (1.0 - a) * b1_over_one_minus_b1
+            m_i = m_prev * a + gm * (1.0 - a)
+            disp = tl.div_rn(tl.div_rn(m_prev * carried + gm * (tau - carried), c), tl.sqrt_rn(nu_i) + eps)
+            bound = tl.minimum(tau, cap) * bound_per_step
+            disp = tl.minimum(tl.maximum(disp, -bound), bound)
+            # A coordinate sent again at once (tau = 1) takes AdamS's own step, as in the ref.
+            m = tl.where(tau == 1.0, m, m_i)
+            upd = tl.where(tau == 1.0, upd, disp)
         new = tl.fma(upd, neg_lr_update, theta * decay)
         tl.store(out_ptr + s, cast_rne(new, out_ptr.dtype.element_ty), mask=live)
         tl.store(mom_ptr + pos, m, mask=live)
@@ -223,11 +251,15 @@ def sparse_adams_triton(
         float(h.eps),
         h.decay,
         -float(h.update_lr),
-        float(h.catch_up_cap),
+        float(h.interval_cap if h.interval else h.catch_up_cap),
+        math.log2(h.beta1) if h.beta1 > 0 else -math.inf,
+        h.beta1 / (1.0 - h.beta1),
+        interval_bound_per_step(h),
         C=chunk_size,
         BLOCK=block,
-        STALENESS=bool(h.staleness_correction),
-        CATCH_UP=bool(h.catch_up),
+        STALENESS=bool(h.staleness_correction) and not h.interval,
+        CATCH_UP=bool(h.catch_up) and not h.interval,
+        INTERVAL=bool(h.interval),
         num_warps=4,
         # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
         enable_fp_fusion=False,
