@@ -76,6 +76,19 @@ class MaskSchedule:
         """The first masks (end of the dense warm-up, or construction without one)."""
         self._queue(new=True, for_step=self.config.dense_warmup_steps + 1)
 
+    def restart(self, step: int) -> None:
+        """Drop every mask and, past the warm-up, queue new ones for step ``step + 1`` as :meth:`begin` does.
+
+        For a state re-sharded to another world size, whose masks had the old layout's owners: the new masks
+        are built from the restored momentum and residual (one refresh), so every rank must call this at the
+        same point (the index all-gathers).
+        """
+        self.wait_all()
+        self.queues = [deque() for _ in self.buckets]
+        self.last_built = [None] * len(self.buckets)
+        if step >= self.config.dense_warmup_steps:
+            self._queue(new=True, for_step=step + 1)
+
     def after_sparse_step(self, step: int) -> None:
         """At the end of sparse step ``step``: queue the mask of the step ``mask_delay`` steps later."""
         cfg = self.config
