@@ -222,7 +222,7 @@ def _reshard_rank_files(
             except ValueError as exc:
                 raise ValueError(
                     f"{rank_state_path(path, old_rank)!r} cannot be re-sharded from {saved_world_size} to "
-                    f"{engines[k].world_size} ranks: {exc}"
+                    f"{engines[k].world_size} ranks: {exc} Nothing was loaded."
                 ) from exc
             param_groups.setdefault(k, full["param_groups"])
         del states  # keep at most one saved rank's state in memory

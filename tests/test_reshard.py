@@ -95,6 +95,7 @@ def _resumed_run(world_size: int, cfg: ScapeConfig, first: list[dict[str, Any]],
             "last_sent": [bs.last_sent.clone() for bs in engine.buckets],
             "residual": [bs.residual.clone() for bs in engine.buckets],
             "region": [bs.region for bs in engine.buckets],
+            "shard": [bs.shard for bs in engine.buckets],
             "padded": [bs.layout.padded_numel for bs in engine.buckets],
             "masks": [m.clone() for m in engine.current_masks()] if not engine.in_warmup else None,
             "step_count": engine.step_count,
@@ -154,11 +155,18 @@ def test_reshard_moves_every_piece_of_state_and_loses_no_gradient_mass(
             fill = 0.0 if key == "momentum" else 4.0
             assert bool((after[numel:] == fill).all()), (i, key)
         assert float(first[0]["state"]["buckets"][i]["momentum"].abs().sum()) > 0
-        # 2. Every new rank holds the mean residual: the global unsent gradient is unchanged, exactly.
+        # 2. The global unsent gradient, the mean over ranks of the residuals, is unchanged, exactly; every
+        #    coordinate's new owner holds what its old owner held (on one rank: the mean itself).
+        old_shards = [slice(r * old_padded // old, (r + 1) * old_padded // old) for r in range(old)]
         mean_before = sum(r["state"]["buckets"][i]["residual"][:numel] for r in first) / old
-        for r in resumed:
-            assert torch.equal(r["loaded"]["residual"][i][:numel], mean_before)
-            assert not r["loaded"]["residual"][i][numel:].any()
+        mean_after = sum(r["loaded"]["residual"][i] for r in resumed) / new
+        assert torch.equal(mean_after[:numel], mean_before) and not mean_after[numel:].any()
+        saved = [r["state"]["buckets"][i]["residual"][s] for r, s in zip(first, old_shards, strict=True)]
+        owned_before = _global(saved, old_shards, old_padded)[:numel]
+        owned_after = _global([r["loaded"]["residual"][i][r["loaded"]["shard"][i]] for r in resumed],
+                              [r["loaded"]["shard"][i] for r in resumed], new_padded)  # fmt: skip
+        assert torch.equal(owned_after[:numel], owned_before if new > 1 else mean_before)
+        assert mean_before.abs().sum() > 0
         # 3. No mass lost across the resume: sum over steps and ranks of g / W_t = what was sent (averaged the
         #    same way) + the mean residual of the ranks at the end.
         grads = sum(r["grads"][i][:numel] for r in first) + sum(r["grads"][i][:numel] for r in resumed)
@@ -167,32 +175,39 @@ def test_reshard_moves_every_piece_of_state_and_loses_no_gradient_mass(
         assert torch.equal(grads, sent + residual), i
         assert residual.abs().sum() > 0
     # 4. The step and the mask schedule continue: the rebuilt masks are those of the restored statistics at
-    #    step 5's ramp density, one refresh later than the saved count.
+    #    step 5's ramp density; they replace the last built ones (same refresh index, same count).
     saved_refresh = first[0]["state"]["refresh_count"]
     k = cfg.slots_at(5)
+    assert k > cfg.slots_per_chunk
     gathered = cfg.sharded or cfg.mask_statistic != "momentum"  # else every rank computes the whole mask
     rebuild = sum((new - 1) * p // new // cfg.chunk_size * k * 2 for p in resumed[0]["loaded"]["padded"])
     for rank, r in enumerate(resumed):
-        assert r["loaded"]["step_count"] == 4 and r["loaded"]["refresh_count"] == saved_refresh + 1
+        assert r["loaded"]["step_count"] == 4 and r["loaded"]["refresh_count"] == saved_refresh
         # The byte counters continue those of the old rank with the same index (the last one beyond), plus the
         # index all-gather of the rebuilt masks.
         expected = dict(first[min(rank, old - 1)]["state"]["counters"]["total_sent"])
         expected["indices"] += rebuild if gathered else 0
         assert r["loaded"]["total_sent"] == expected
-    assert k > cfg.slots_per_chunk
     for i in range(n_buckets):
         masks = [r["loaded"]["masks"][i] for r in resumed]
         assert all(torch.equal(m, masks[0]) for m in masks)  # every rank holds the whole mask
         new_padded = resumed[0]["loaded"]["padded"][i]
         momentum = _global([r["loaded"]["momentum"][i] for r in resumed],
                            [r["loaded"]["region"][i] for r in resumed], new_padded)  # fmt: skip
-        residual = resumed[0]["loaded"]["residual"][i]
-        ke, offset = cfg.explore_slots(k), saved_refresh * cfg.explore_slots(k) % cfg.chunk_size
+        owned = _global([r["loaded"]["residual"][i][r["loaded"]["shard"][i]] for r in resumed],
+                        [r["loaded"]["shard"][i] for r in resumed], new_padded)  # fmt: skip
+        ke, offset = cfg.explore_slots(k), (saved_refresh - 1) * cfg.explore_slots(k) % cfg.chunk_size
         if cfg.sharded or cfg.mask_statistic != "momentum":  # chunks are global: per-shard builds = one build
-            expected = select_mask(momentum, residual, 0.9, cfg.mask_statistic, cfg.chunk_size, k, ke, offset)
+            expected = select_mask(momentum, owned, 0.9, cfg.mask_statistic, cfg.chunk_size, k, ke, offset)
         else:  # replicated momentum statistic: |m| on every rank (select_mask's "gradient" statistic of m)
             expected = select_mask(momentum, momentum, 0.9, "gradient", cfg.chunk_size, k, ke, offset)
         assert torch.equal(masks[0], expected), i
+        # Where the statistics are those the old owners scored, the rebuilt mask is the one the uninterrupted run
+        # built for step 5 (on the chunks both layouts have).
+        if cfg.mask_delay == 1 and (new > 1 or not gathered):
+            saved_mask = first[0]["state"]["buckets"][i]["masks"][0]
+            rows = min(len(saved_mask), len(masks[0]))
+            assert torch.equal(masks[0][:rows], saved_mask[:rows]), i
     # 5. The continuation is a consistent SCAPE run: replicas identical on every new rank.
     for r in resumed[1:]:
         assert all(torch.equal(p, q) for p, q in zip(r["params"], resumed[0]["params"], strict=True))
@@ -204,6 +219,27 @@ def bs_region(cfg: ScapeConfig, world_size: int, rank: int, padded: int) -> slic
         return slice(0, padded)
     shard = padded // world_size
     return slice(rank * shard, (rank + 1) * shard)
+
+
+def test_resharding_onto_the_same_world_size_continues_exactly_as_the_saved_states() -> None:
+    """W' = W: each rank gets its own residual back on its shard and the other ranks' sum elsewhere (exact in
+    fp64 with integer gradients), the rebuilt masks are the saved ones: the run continues bitwise alike."""
+    cfg = ScapeConfig(**CFG)
+    first = _first_run(2, cfg, steps=4)
+
+    def worker(rank: int, comm: Communicator, reshard: bool) -> list[torch.Tensor]:
+        model, engine = _engine(comm, cfg, first[0]["params"])
+        saved = [r["state"] for r in first]
+        engine.load_state_dict(engine.reshard_state_dicts(saved) if reshard else saved[rank])
+        _train(engine, rank, 2, steps=4, seed=2)
+        out = [p.detach().clone() for p in model.parameters()] + [bs.residual.clone() for bs in engine.buckets]
+        engine.close()
+        return out
+
+    direct = simulate(2, lambda rank, comm: worker(rank, comm, False))
+    resharded = simulate(2, lambda rank, comm: worker(rank, comm, True))
+    for a, b in zip(direct, resharded, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_a_resume_during_the_warmup_stays_dense_and_builds_the_first_mask_at_its_end() -> None:

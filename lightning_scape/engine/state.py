@@ -6,9 +6,10 @@ Every rank saves and loads its own. Loading checks everything first and changes 
 
 A state saved by W ranks loads on W' != W ranks once :class:`StateResharder` has built each new rank's state
 from the W old ones (read one at a time): the momentum and last-sent steps of the new region copied from the
-old shards that overlap it, every new rank's residual the mean of the old residuals (so the global unsent
-gradient, the mean over ranks of the residuals, is unchanged), the byte counters of old rank
-``min(rank, W - 1)``, and no masks: loading such a state rebuilds them from the restored statistics.
+old shards that overlap it, the residuals redistributed so that the global unsent gradient (the mean over
+ranks of the residuals) is unchanged while every coordinate's new owner keeps the residual its old owner
+scored it with, the byte counters of old rank ``min(rank, W - 1)``, and no masks: loading such a state
+rebuilds them from the restored statistics.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lightning_scape.engine.masks import Mask
 
 if TYPE_CHECKING:
     from lightning_scape.engine import ScapeEngine
+    from lightning_scape.engine.buckets import BucketState
 
 # Version 2: masks are saved as their indices alone, and the byte counters without received bytes.
 STATE_VERSION = 2
@@ -124,17 +126,22 @@ class StateResharder:
 
     A rank never holds more than one old state besides its own new one, so the old states can be read from
     their files one by one. Bucket membership does not depend on the world size; the padding and the shard
-    boundaries do. Per bucket, in the real coordinates ``[0, numel)`` (the padding of either layout has zero
-    gradient, momentum and residual):
+    boundaries do (chunks do not: chunk c covers coordinates ``[c C, (c + 1) C)`` of its bucket on any W).
+    Per bucket, in the real coordinates ``[0, numel)`` (the padding of either layout has zero gradient,
+    momentum and residual):
 
     - momentum and last-sent steps of this rank's region are copied from the old regions that overlap it
-      (sharded: the old shards; replicated: old rank 0's whole bucket, which every old rank holds alike);
-    - the residual is the mean of the old ranks' residuals, summed in rank order and divided by
-      ``saved_world_size``. The sparse collective averages the ranks' values, so the unsent gradient that
-      counts is ``sum_r e_r / W``; with every new rank holding the mean it is unchanged on any W'. Exact when
-      the sum is (fp64 with integer values, W a power of two); in fp32 it is rounded like one more residual
-      update.
-    - new padding coordinates count as sent at the resume step (during the warm-up: at step 0, like all).
+      (sharded: the old shards; replicated: old rank 0's whole bucket, which every old rank holds alike).
+      New padding coordinates count as sent at the resume step (during the warm-up: at step 0, like all).
+    - residuals: the sparse collective averages the ranks' values, so the unsent gradient that counts is
+      ``E = sum_r e_r / W`` per coordinate, and the new residuals must keep ``sum_r' e'_r' / W' = E``. Masks
+      are scored by each shard's owner from its own residual, so for every coordinate the new owner (the
+      rank whose shard holds it) takes the residual that the coordinate's old owner held, the next rank
+      (``owner + 1`` mod W') takes the rest of the mass, ``W' E - e_old_owner``, and the other ranks hold zero
+      there. The rebuilt masks then score exactly what the old owners scored, and W' = W gives back states
+      that act as the saved ones. On one rank the residual is ``E`` itself. ``E`` is summed in old-rank
+      order; all of it is exact when the arithmetic is (fp64 with integer values, W a power of two), and in
+      fp32 it is rounded like one more residual update.
 
     The byte counters continue old rank ``min(rank, saved_world_size - 1)``'s totals (every rank counts the
     same bytes; the wait times are that rank's). The step and refresh counters are every old rank's (they
@@ -156,6 +163,23 @@ class StateResharder:
         self._momentum = [torch.zeros_like(bs.momentum, device="cpu") for bs in engine.buckets]
         self._last_sent = [torch.zeros_like(bs.last_sent, device="cpu") for bs in engine.buckets]
         self._residual = [torch.zeros_like(bs.residual, device="cpu") for bs in engine.buckets]
+        # Where this rank takes the rest of the mass: the shard of the previous rank (on one rank: everything).
+        self._rest = [self._rest_of(bs) for bs in engine.buckets]
+        # Over those coordinates: the sum of the old residuals, and the old owners' residuals.
+        self._sum = [
+            torch.zeros(rest.stop - rest.start, dtype=bs.residual.dtype)
+            for rest, bs in zip(self._rest, engine.buckets, strict=True)
+        ]
+        self._owner = [torch.zeros_like(t) for t in self._sum]
+
+    def _rest_of(self, bs: BucketState) -> slice:
+        """The real coordinates of the shard whose residual mass beyond its owner's this rank holds."""
+        W, n = self.engine.world_size, bs.layout.numel
+        if W == 1:
+            return slice(0, n)
+        S = bs.layout.shard_numel
+        d = (self.engine.rank - 1) % W
+        return slice(min(d * S, n), min((d + 1) * S, n))
 
     def add(self, state: Any) -> None:
         """Take in the state of the next old rank (raises ``ValueError`` if it does not fit; keeps nothing of it)."""
@@ -172,18 +196,20 @@ class StateResharder:
                     t.fill_(int(state["step_count"]))
         for i, (bs, saved) in enumerate(zip(engine.buckets, state["buckets"], strict=True)):
             n, old_padded = bs.layout.numel, int(state["layout"][i][2])
+            old_shard = slice(rank * (old_padded // W), (rank + 1) * (old_padded // W))
             if engine.config.sharded:
-                old_region = (rank * (old_padded // W), (rank + 1) * (old_padded // W))
-            else:
-                old_region = (0, old_padded) if rank == 0 else (0, 0)  # every old rank holds the same whole bucket
-            lo = max(old_region[0], bs.region.start)
-            hi = min(old_region[1], bs.region.stop, n)
-            if lo < hi:
-                src = slice(lo - old_region[0], hi - old_region[0])
-                dst = slice(lo - bs.region.start, hi - bs.region.start)
-                self._momentum[i][dst] = saved["momentum"][src].cpu()
-                self._last_sent[i][dst] = saved["last_sent"][src].cpu()
-            self._residual[i][:n] += saved["residual"][:n].cpu()
+                old_region = old_shard
+            else:  # every old rank holds the same whole bucket: take old rank 0's
+                old_region = slice(0, old_padded) if rank == 0 else slice(0, 0)
+            _copy_overlap(saved["momentum"], old_region, self._momentum[i], bs.region, n)
+            _copy_overlap(saved["last_sent"], old_region, self._last_sent[i], bs.region, n)
+            residual = saved["residual"]
+            rest = self._rest[i]
+            self._sum[i] += residual[rest].cpu()
+            if engine.world_size > 1:
+                # The old owner's residual where this rank is the new owner, and where it takes the rest.
+                _copy_overlap(residual[old_shard], old_shard, self._residual[i][bs.shard], bs.shard, n)
+                _copy_overlap(residual[old_shard], old_shard, self._owner[i], rest, n)
         if rank == min(engine.rank, W - 1):
             self._counters = state["counters"]
         self._fed += 1
@@ -194,8 +220,9 @@ class StateResharder:
         if self._fed != W or self._first is None or self._counters is None:
             raise ValueError(f"SCAPE state: got {self._fed} rank states of a run on {W} ranks; all {W} are needed.")
         engine = self.engine
-        for r in self._residual:
-            r.div_(W)
+        for residual, rest, total, owner in zip(self._residual, self._rest, self._sum, self._owner, strict=True):
+            # W' E - e_old_owner, with E = sum / W; on one rank E itself (the owner's share is the whole mass).
+            residual[rest] = total * engine.world_size / W - owner
         return {
             "version": STATE_VERSION,
             "config": engine.config.to_dict(),
@@ -296,6 +323,13 @@ def _check_tensor(got: Any, dtype: torch.dtype, numel: int, what: str) -> None:
     if not isinstance(got, Tensor) or got.shape != (numel,) or got.dtype != dtype:
         desc = (got.dtype, tuple(got.shape)) if isinstance(got, Tensor) else type(got).__name__
         raise ValueError(f"SCAPE state: {what} is {desc}, expected {(dtype, (numel,))}.")
+
+
+def _copy_overlap(src: Tensor, src_at: slice, dst: Tensor, dst_at: slice, limit: int) -> None:
+    """Copy the coordinates below ``limit`` that ``src`` (holding coordinates ``src_at``) and ``dst`` share."""
+    lo, hi = max(src_at.start, dst_at.start), min(src_at.stop, dst_at.stop, limit)
+    if lo < hi:
+        dst[lo - dst_at.start : hi - dst_at.start] = src[lo - src_at.start : hi - src_at.start].to(dst.device)
 
 
 def _layout(engine: ScapeEngine) -> list[tuple[int, int, int]]:
