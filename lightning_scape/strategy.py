@@ -54,8 +54,8 @@ class ScapeStrategy(DDPStrategy):
     skipped on every rank, momentum and residual untouched), ``torch.compile``, and ``fabric.save`` /
     ``fabric.load``: every rank writes its own SCAPE state beside the checkpoint
     (``<path>.scape/rank-XXXXX.pt``), so a resumed run continues bitwise identically. A checkpoint written by
-    another number of processes is re-sharded when it is loaded (momentum shards, last-sent steps, the mean
-    residual on every rank, new masks; ``docs/lightning.md``).
+    another number of processes is re-sharded when it is loaded (momentum shards, last-sent steps, residuals
+    with the same global unsent gradient, new masks; ``docs/lightning.md``).
 
     Not supported: ``fabric.load_raw`` of a SCAPE optimizer, and clipping ``param.grad`` yourself (the gradients
     were sent during backward; use ``fabric.clip_gradients``, which clips the synchronised values).

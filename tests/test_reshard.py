@@ -49,7 +49,8 @@ def _train(engine: ScapeEngine, rank: int, world_size: int, steps: int, seed: in
     """``steps`` steps of integer fp64 gradients; per bucket, sum g / W and (what was sent) / W, exact.
 
     What a rank sends is its whole gradient in a dense step and ``(e + g)[mask]`` in a sparse one (recorded
-    before the step: replicated mode all-reduces the buffers in place).
+    before the step: replicated mode all-reduces the buffers in place; not recorded with ``mask_delay=0``, whose
+    mask is built inside the step).
     """
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     grads = [torch.zeros_like(bs.residual) for bs in engine.buckets]
@@ -59,9 +60,11 @@ def _train(engine: ScapeEngine, rank: int, world_size: int, steps: int, seed: in
             for place in bs.layout.places:
                 assert place.param.grad is not None  # a view into the bucket's gradient buffer
                 place.param.grad.copy_(torch.randint(-1000, 1000, place.param.shape, generator=gen))
-        masks = None if engine.in_warmup else engine.current_masks()
+        masks = None if engine.in_warmup or engine.config.mask_delay == 0 else engine.current_masks()
         for i, bs in enumerate(engine.buckets):
             grads[i] += bs.grads / world_size
+            if engine.config.mask_delay == 0 and not engine.in_warmup:
+                continue
             if masks is None:
                 sent[i] += bs.grads / world_size
             else:
@@ -240,6 +243,40 @@ def test_resharding_onto_the_same_world_size_continues_exactly_as_the_saved_stat
     resharded = simulate(2, lambda rank, comm: worker(rank, comm, True))
     for a, b in zip(direct, resharded, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(
+    "extra", [{"mask_delay": 0}, {"mask_statistic": "random", "mask_refresh_interval": 2, "density_ramp_steps": 0}]
+)
+def test_masks_built_in_the_backward_or_at_random_resume_on_another_world_size(extra: dict[str, Any]) -> None:
+    """``mask_delay=0`` builds the first mask of the resumed run in its backward pass; random masks, drawn from a
+    seed and the refresh index, come back identical on any world size (padding rows aside)."""
+    cfg = ScapeConfig(**{**CFG, **extra})
+    first = _first_run(2, cfg, steps=5)
+    saved = [r["state"] for r in first]
+
+    def worker(rank: int, comm: Communicator) -> dict[str, Any]:
+        model, engine = _engine(comm, cfg, first[0]["params"])
+        engine.load_state_dict(engine.reshard_state_dicts(saved))
+        masks = None if cfg.mask_delay == 0 else [m.clone() for m in engine.current_masks()]
+        refresh = engine.refresh_count
+        _train(engine, rank, 4, steps=3, seed=2)
+        out = {"masks": masks, "refresh": refresh, "after": engine.refresh_count,
+               "params": [p.detach().clone() for p in model.parameters()]}  # fmt: skip
+        engine.close()
+        return out
+
+    resumed = simulate(4, worker)
+    q = first[0]["state"]["refresh_count"]
+    for r in resumed:
+        assert all(torch.equal(p, q_) for p, q_ in zip(r["params"], resumed[0]["params"], strict=True))
+        if cfg.mask_delay == 0:
+            assert r["refresh"] == q and r["after"] == q + 3  # built in the backward of each of the 3 steps
+        else:
+            assert r["refresh"] == q
+            for mask, old in zip(r["masks"], saved[0]["buckets"], strict=True):
+                rows = min(len(mask), len(old["masks"][0]))
+                assert torch.equal(mask[:rows], old["masks"][0][:rows])
 
 
 def test_a_resume_during_the_warmup_stays_dense_and_builds_the_first_mask_at_its_end() -> None:

@@ -182,7 +182,7 @@ class StateResharder:
         return slice(min(d * S, n), min((d + 1) * S, n))
 
     def add(self, state: Any) -> None:
-        """Take in the state of the next old rank (raises ``ValueError`` if it does not fit; keeps nothing of it)."""
+        """Take in the next old rank's state (``ValueError`` if it does not fit); only what it copies is kept."""
         rank, W = self._fed, self.saved_world_size
         if rank >= W:
             raise ValueError(f"SCAPE state: got more than the {W} rank states of a run on {W} ranks.")
