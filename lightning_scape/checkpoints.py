@@ -5,7 +5,9 @@ two things: the main file, written by rank 0, which holds the model (replicated)
 optimizer a small stub (hyperparameters, world size, configuration, a save id), and
 ``<checkpoint>.scape/rank-XXXXX.pt``, written by each rank, which holds that rank's full optimizer states.
 The save id ties the rank files to their main file. Loading reads and checks everything before anything
-is loaded, and all ranks agree on the outcome (:func:`agree`), so no rank goes on alone.
+is loaded, and all ranks agree on the outcome (:func:`agree`), so no rank goes on alone. On another world
+size than the one that wrote the checkpoint, every rank reads all the rank files, one at a time, and
+re-shards them into its own state (:func:`load_rank_states`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import pickle
 import re
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch import Tensor
 from torch.nn import Module
+
+if TYPE_CHECKING:
+    from lightning_scape.engine import ScapeEngine
 
 CHECKPOINT_FORMAT = 1
 _STUB_KEY = "scape_checkpoint"
@@ -132,8 +137,14 @@ def load_rank_states(
     rank: int,
     world_size: int,
     weights_only: bool | None = None,
+    engines: Mapping[str, ScapeEngine] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """This rank's full optimizer states for the given stubs, checked to belong to the same checkpoint.
+
+    On the world size that wrote the checkpoint, this rank's own file is read. On another one (and with
+    ``engines`` given) every saved rank's file is read, one at a time and in rank order, and re-sharded into
+    this rank's state (:class:`~lightning_scape.engine.state.StateResharder`); its masks are rebuilt when it is
+    loaded.
 
     Args:
         io: The strategy's checkpoint IO.
@@ -142,6 +153,8 @@ def load_rank_states(
         rank: This rank.
         world_size: The current world size.
         weights_only: Passed on to the checkpoint IO.
+        engines: Per key, the engine that will load the state: needed to re-shard a checkpoint written by
+            another number of ranks (without it such a checkpoint is refused).
 
     Returns:
         Per key, the full optimizer state to load.
@@ -159,28 +172,87 @@ def load_rank_states(
         if meta.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"Checkpoint {where!r} uses SCAPE checkpoint format {meta.get('format')!r}; this "
                              f"version reads {CHECKPOINT_FORMAT}.")
-        if meta["world_size"] != world_size:
-            raise ValueError(
-                f"Checkpoint {where!r} was written by {meta['world_size']} ranks, but this run has {world_size}. "
-                "SCAPE's state is per rank (momentum shards, each rank's unsent-gradient residual) and is not "
-                f"re-sharded: resume with {meta['world_size']} processes in total (devices x num_nodes). "
-                "Nothing was loaded."
-            )
     if not stubs:
         return {}
     ids = {stub[_STUB_KEY]["save_id"] for stub in stubs.values()}
+    saved_world = {stub_world_size(stub) for stub in stubs.values()}
+    if len(saved_world) != 1:
+        raise ValueError(f"Checkpoint {where!r} has SCAPE optimizers written by {sorted(saved_world)} ranks.")
+    (saved_world_size,) = saved_world
+    if saved_world_size == world_size:
+        return _read_rank_file(io, path, rank, stubs, ids, weights_only)
+    if engines is None:
+        raise ValueError(
+            f"Checkpoint {where!r} was written by {saved_world_size} ranks, but this run has {world_size}, and no "
+            "engine was given to re-shard its SCAPE state. Nothing was loaded."
+        )
+    return _reshard_rank_files(io, path, stubs, ids, saved_world_size, engines, weights_only)
+
+
+def stub_world_size(stub: Mapping[str, Any]) -> int:
+    """The number of ranks that wrote the checkpoint a SCAPE stub belongs to."""
+    return int(stub[_STUB_KEY]["world_size"])
+
+
+def _reshard_rank_files(
+    io: CheckpointIO,
+    path: str | os.PathLike[str],
+    stubs: dict[str, Any],
+    ids: set[str],
+    saved_world_size: int,
+    engines: Mapping[str, ScapeEngine],
+    weights_only: bool | None,
+) -> dict[str, dict[str, Any]]:
+    """Every saved rank's file, one at a time, folded into this rank's re-sharded states."""
+    from lightning_scape.engine.state import StateResharder
+
+    missing = sorted(set(stubs) - set(engines))
+    if missing:
+        raise ValueError(f"No engine to re-shard the SCAPE state of {missing} into. Nothing was loaded.")
+    resharders = {k: StateResharder(engines[k], saved_world_size) for k in stubs}
+    param_groups: dict[str, Any] = {}
+    for old_rank in range(saved_world_size):
+        states = _read_rank_file(io, path, old_rank, stubs, ids, weights_only, saved_world_size)
+        for k, full in states.items():
+            if not is_scape_state(full):
+                raise ValueError(f"{rank_state_path(path, old_rank)!r} holds no SCAPE state for {k!r}. Nothing "
+                                 "was loaded.")
+            try:
+                resharders[k].add(full["scape"])
+            except ValueError as exc:
+                raise ValueError(
+                    f"{rank_state_path(path, old_rank)!r} cannot be re-sharded from {saved_world_size} to "
+                    f"{engines[k].world_size} ranks: {exc} Nothing was loaded."
+                ) from exc
+            param_groups.setdefault(k, full["param_groups"])
+        del states  # keep at most one saved rank's state in memory
+    return {k: {"state": {}, "param_groups": param_groups[k], "scape": r.result()} for k, r in resharders.items()}
+
+
+def _read_rank_file(
+    io: CheckpointIO,
+    path: str | os.PathLike[str],
+    rank: int,
+    stubs: dict[str, Any],
+    ids: set[str],
+    weights_only: bool | None,
+    saved_world_size: int | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Rank ``rank``'s file of checkpoint ``path``, checked to belong to it; its states for the stubs' keys."""
+    where = os.fspath(path)
     file = rank_state_path(path, rank)
+    of = "" if saved_world_size is None else f" (of {saved_world_size}: re-sharding reads every rank's file)"
     try:
         payload = io.load_checkpoint(file, weights_only=weights_only)
     except FileNotFoundError as exc:
         raise FileNotFoundError(
-            f"SCAPE state of rank {rank} is missing: expected {file!r}. A SCAPE checkpoint is the file {where!r} plus "
-            "the directory beside it ending in '.scape'; copy both. Nothing was loaded."
+            f"SCAPE state of rank {rank}{of} is missing: expected {file!r}. A SCAPE checkpoint is the file {where!r} "
+            "plus the directory beside it ending in '.scape'; copy both. Nothing was loaded."
         ) from exc
     except Exception as exc:
         raise RuntimeError(
-            f"SCAPE state of rank {rank} ({file!r}) cannot be read ({type(exc).__name__}: {exc}). It is probably "
-            "truncated or corrupt; resume from an earlier checkpoint. Nothing was loaded."
+            f"SCAPE state of rank {rank}{of} ({file!r}) cannot be read ({type(exc).__name__}: {exc}). It is "
+            "probably truncated or corrupt; resume from an earlier checkpoint. Nothing was loaded."
         ) from exc
     meta = payload.get(_RANK_KEY) if isinstance(payload, dict) else None
     if not isinstance(meta, dict) or meta.get("save_id") not in ids or meta.get("rank") != rank:

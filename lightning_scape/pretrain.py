@@ -103,7 +103,8 @@ def pretrain(
             32-true. "bf16-true" is refused: the residual and AdamS would run in bf16.
         initial_checkpoint_dir: A litgpt checkpoint to start from (continued pretraining).
         resume: A ``lit_model.pth`` to resume from, ``True`` for the latest in ``out_dir``, or ``"auto"``.
-            Resuming needs the same world size (SCAPE state is per rank).
+            Another ``devices`` / ``num_nodes`` than the run that wrote it is fine (the SCAPE state is
+            re-sharded and litgpt's position rescaled); keep ``global_batch_size`` and ``micro_batch_size``.
         data: A litgpt ``DataModule``; default :class:`~lightning_scape.data.TextFolder` on the Python
             standard library's sources (offline).
         train: litgpt ``TrainArgs`` (batch sizes, ``max_tokens``, ``max_norm``, warm-up, ``save_interval``,
@@ -400,9 +401,18 @@ def _litgpt_adapted(
 
     litgpt calls ``save_hyperparameters`` on rank 0 for every checkpoint folder; here it writes this command's
     parsed arguments and, for a data module that trained its own BPE, that ``tokenizer.json`` (so
-    ``litgpt generate`` can use the checkpoint folder as it is).
+    ``litgpt generate`` can use the checkpoint folder as it is). Its ``fit`` is entered after the resume, so that
+    a checkpoint written by another number of processes continues at the same point
+    (:func:`continue_on_world_size`).
     """
     import torch._dynamo
+
+    litgpt_fit = getattr(module, "fit", None)
+
+    def fit(*args: Any, **kwargs: Any) -> Any:
+        continue_on_world_size(kwargs["fabric"], kwargs["state"])
+        assert litgpt_fit is not None
+        return litgpt_fit(*args, **kwargs)
 
     def save_hyperparameters(_function: Any, checkpoint_dir: Path, *args: Any, **kwargs: Any) -> None:
         if hyperparameters is not None:
@@ -417,13 +427,61 @@ def _litgpt_adapted(
     saved = module.save_hyperparameters
     saved_disable = torch._dynamo.config.disable
     module.save_hyperparameters = save_hyperparameters
+    if litgpt_fit is not None:
+        module.fit = fit
     if not compile:
         torch._dynamo.config.disable = True
     try:
         yield
     finally:
         module.save_hyperparameters = saved
+        if litgpt_fit is not None:
+            module.fit = litgpt_fit
         torch._dynamo.config.disable = saved_disable
+
+
+def continue_on_world_size(fabric: L.Fabric, state: dict[str, Any]) -> None:
+    """After a resume from a checkpoint written by another number of processes, continue at the same point.
+
+    The SCAPE strategy re-shards its own state when it loads. litgpt's loop, however, counts its position per
+    process: ``iter_num`` micro-batches, and the train loader's batches of the epoch, each on every process.
+    With the same ``global_batch_size`` and ``micro_batch_size`` the tokens seen so far are ``iter_num x W``
+    micro-batches over all processes, so on W' processes the loop resumes at ``iter_num x W / W'`` (the learning
+    rate schedule, the end of training and the logged steps then continue where they were), and a
+    :class:`~lightning_scape.data.ResumableDataLoader` skips ``position x W / W'`` batches of its epoch: the same
+    samples, because ``DistributedSampler`` splits one shuffled order of the epoch among the processes. Other
+    loaders restore their own state unchanged.
+
+    Raises:
+        ValueError: When the position is not a whole number of micro-batches on the new number of processes.
+    """
+    from lightning_scape.data import ResumableDataLoader
+
+    saved = getattr(fabric.strategy, "checkpoint_world_size", None)
+    world = fabric.world_size
+    if saved is None or saved == world:
+        return
+    loader = state.get("train_dataloader")
+    inner = getattr(loader, "_dataloader", loader)
+    positions = {"iter_num": int(state["iter_num"])}
+    if isinstance(inner, ResumableDataLoader):
+        positions["train_dataloader position"] = int(inner.state_dict()["position"])
+    for what, value in positions.items():
+        if value * saved % world:
+            raise ValueError(
+                f"The checkpoint was written by {saved} processes at {what}={value} (per process); on {world} "
+                f"processes that is {value * saved / world}, not a whole number of micro-batches. Resume on a number "
+                f"of processes that divides {value * saved}, with the global_batch_size and micro_batch_size of the "
+                "run that wrote it."
+            )
+    state["iter_num"] = positions["iter_num"] * saved // world
+    if isinstance(inner, ResumableDataLoader):
+        epoch = inner.state_dict()["epoch"]
+        inner.load_state_dict({"epoch": epoch, "position": positions["train_dataloader position"] * saved // world})
+    fabric.print(
+        f"SCAPE: resumed a checkpoint of {saved} processes on {world}: SCAPE state re-sharded, litgpt continues at "
+        f"iteration {state['iter_num']} (was {positions['iter_num']} on {saved} processes)."
+    )
 
 
 # ----------------------------------------------------------------------------------------- command line

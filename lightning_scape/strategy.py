@@ -53,11 +53,12 @@ class ScapeStrategy(DDPStrategy):
     value), precision ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (a step with inf/nan gradients is
     skipped on every rank, momentum and residual untouched), ``torch.compile``, and ``fabric.save`` /
     ``fabric.load``: every rank writes its own SCAPE state beside the checkpoint
-    (``<path>.scape/rank-XXXXX.pt``), so a resumed run continues bitwise identically.
+    (``<path>.scape/rank-XXXXX.pt``), so a resumed run continues bitwise identically. A checkpoint written by
+    another number of processes is re-sharded when it is loaded (momentum shards, last-sent steps, residuals
+    with the same global unsent gradient, new masks; ``docs/lightning.md``).
 
-    Not supported: resuming on another world size (refused with an error that says so, before anything is
-    loaded), ``fabric.load_raw`` of a SCAPE optimizer, and clipping ``param.grad`` yourself (the gradients were
-    sent during backward; use ``fabric.clip_gradients``, which clips the synchronised values).
+    Not supported: ``fabric.load_raw`` of a SCAPE optimizer, and clipping ``param.grad`` yourself (the gradients
+    were sent during backward; use ``fabric.clip_gradients``, which clips the synchronised values).
 
     Args:
         accelerator: The accelerator (Fabric picks it from ``Fabric(accelerator=...)`` when None).
@@ -105,6 +106,16 @@ class ScapeStrategy(DDPStrategy):
         self._scape_modules: list[Module] = []
         self._scape_optimizers: list[ScapeOptimizer] = []
         self._failed = False
+        self._checkpoint_world_size: int | None = None
+
+    @property
+    def checkpoint_world_size(self) -> int | None:
+        """The number of ranks that wrote the SCAPE checkpoint this strategy last loaded (None before any).
+
+        When it differs from ``world_size`` the SCAPE state was re-sharded; a training loop that counts its
+        position per rank (litgpt's ``iter_num``) must rescale it (``lightning-scape pretrain`` does).
+        """
+        return self._checkpoint_world_size
 
     @property
     def scape_optimizers(self) -> list[ScapeOptimizer]:
@@ -285,6 +296,8 @@ class ScapeStrategy(DDPStrategy):
         except Exception as exc:
             error = exc
         checkpoints.agree(error, f"Loading checkpoint {os.fspath(path)!r}")
+        if scape:
+            self._checkpoint_world_size = checkpoints.stub_world_size(checkpoint[next(iter(scape))])
         for name, obj in list(state.items()):
             if name not in checkpoint:
                 continue
@@ -316,6 +329,7 @@ class ScapeStrategy(DDPStrategy):
             self.global_rank,
             self.world_size,
             weights_only,
+            engines={k: opt.engine for k, opt in scape.items()},
         )
         where = f"Checkpoint {os.fspath(path)!r}"
         for k, opt in scape.items():

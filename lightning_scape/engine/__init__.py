@@ -19,7 +19,7 @@ and :meth:`ScapeEngine.step`, written as the step's communication schedule.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -305,6 +305,19 @@ class ScapeEngine:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; refuses (changing nothing) a state that :meth:`check_state_dict` rejects."""
         state.load_engine_state(self, saved)
+
+    def reshard_state_dicts(self, saved: Iterable[Any]) -> dict[str, Any]:
+        """This rank's state from every rank's :meth:`state_dict` of a run on another world size.
+
+        Args:
+            saved: The saved ranks' states in rank order; an iterator is consumed one state at a time, so they
+                can be read from their files lazily (see :class:`~lightning_scape.engine.state.StateResharder`).
+
+        Returns:
+            The state to pass to :meth:`load_state_dict`, which also rebuilds the masks (every rank must load at
+            the same point).
+        """
+        return state.reshard_engine_state(self, saved)
 
     # ------------------------------------------------------------------ the step in flight
 

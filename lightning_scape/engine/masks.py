@@ -76,6 +76,22 @@ class MaskSchedule:
         """The first masks (end of the dense warm-up, or construction without one)."""
         self._queue(new=True, for_step=self.config.dense_warmup_steps + 1)
 
+    def restart(self, step: int) -> None:
+        """Drop every mask and, past the warm-up, queue new ones for step ``step + 1`` as :meth:`begin` does.
+
+        For a state re-sharded to another world size, whose masks had the old layout's owners: the new masks
+        are built from the restored momentum and residual, so every rank must call this at the same point
+        (the index all-gathers). They replace the last built masks: they take the same refresh index (the same
+        exploration window), so from the same statistics they are the same masks, and the count is unchanged.
+        With ``mask_delay=0`` the next backward pass builds them.
+        """
+        self.wait_all()
+        self.queues = [deque() for _ in self.buckets]
+        self.last_built = [None] * len(self.buckets)
+        if step >= self.config.dense_warmup_steps and self.config.mask_delay > 0:
+            self.refresh_count = max(0, self.refresh_count - 1)
+            self._queue(new=True, for_step=step + 1)
+
     def after_sparse_step(self, step: int) -> None:
         """At the end of sparse step ``step``: queue the mask of the step ``mask_delay`` steps later."""
         cfg = self.config

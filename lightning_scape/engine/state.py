@@ -1,13 +1,22 @@
-"""A rank's SCAPE state in a checkpoint: what is saved, what must match to load it, and loading it.
+"""A rank's SCAPE state in a checkpoint: what is saved, what must match to load it, loading it, re-sharding it.
 
 The state holds this rank's momentum region, residual, last-sent steps, queued and last-built masks, the
 step and refresh counters and the byte counters; the parameters are the model's and are saved with it.
 Every rank saves and loads its own. Loading checks everything first and changes nothing on a mismatch.
+
+A state saved by W ranks loads on W' != W ranks once :class:`StateResharder` has built each new rank's state
+from the W old ones (read one at a time): the momentum and last-sent steps of the new region copied from the
+old shards that overlap it, the residuals redistributed so that the global unsent gradient (the mean over
+ranks of the residuals) is unchanged while every coordinate's new owner keeps the residual its old owner
+scored it with, the byte counters of old rank ``min(rank, W - 1)``, and no masks: loading such a state
+rebuilds them from the restored statistics.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,11 +26,14 @@ from lightning_scape.engine.masks import Mask
 
 if TYPE_CHECKING:
     from lightning_scape.engine import ScapeEngine
+    from lightning_scape.engine.buckets import BucketState
 
 # Version 2: masks are saved as their indices alone, and the byte counters without received bytes.
 STATE_VERSION = 2
 # Fields that may differ between the run that saved a state and the one that loads it.
 _RESUMABLE_CHANGES = frozenset({"collective_timeout_s"})
+# In a re-sharded state: the world size that saved it. Its masks are empty and rebuilt when it is loaded.
+RESHARDED_FROM = "resharded_from"
 
 
 def engine_state(engine: ScapeEngine) -> dict[str, Any]:
@@ -56,28 +68,15 @@ def check_engine_state(engine: ScapeEngine, state: Any) -> None:
     Checks the format version, world size and rank, the configuration (``collective_timeout_s`` may differ),
     the bucket layout, and the shape and dtype of every saved tensor.
     """
-    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-        found = state.get("version") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(
-            f"SCAPE state has format version {found!r}; this lightning_scape reads version {STATE_VERSION}. Resume "
-            "with the lightning_scape version that wrote the checkpoint, or start a new run from its model weights."
-        )
+    _check_version(state)
     if state["world_size"] != engine.world_size or state["rank"] != engine.rank:
         raise ValueError(
             f"SCAPE state was saved by rank {state['rank']} of {state['world_size']}, but this is rank "
-            f"{engine.rank} of {engine.world_size}; resume on the same world size."
+            f"{engine.rank} of {engine.world_size}. A state from another world size must be re-sharded first: "
+            "pass all the saved ranks' states, in rank order, to engine.reshard_state_dicts() and load its "
+            "result (the Lightning strategies do this when they resume from a checkpoint)."
         )
-    mine = engine.config.to_dict()
-    diff = {
-        k: (state["config"].get(k), v)
-        for k, v in mine.items()
-        if k not in _RESUMABLE_CHANGES and state["config"].get(k) != v
-    }
-    if diff:
-        raise ValueError(
-            f"SCAPE state comes from another configuration (field: (saved, current)): {diff}. Resume with "
-            "the configuration the checkpoint was written with."
-        )
+    _check_config(engine, state)
     saved_layout = [tuple(x) for x in state["layout"]]
     if saved_layout != _layout(engine) or len(state["buckets"]) != len(engine.buckets):
         raise ValueError(
@@ -87,10 +86,7 @@ def check_engine_state(engine: ScapeEngine, state: Any) -> None:
     k_min, k_max = engine.config.slots_per_chunk, engine.config.max_slots_per_chunk
     for i, (bs, saved) in enumerate(zip(engine.buckets, state["buckets"], strict=True)):
         for name, t in (("momentum", bs.momentum), ("residual", bs.residual), ("last_sent", bs.last_sent)):
-            got = saved[name]
-            if not isinstance(got, Tensor) or got.shape != t.shape or got.dtype != t.dtype:
-                desc = (got.dtype, tuple(got.shape)) if isinstance(got, Tensor) else type(got).__name__
-                raise ValueError(f"SCAPE state: bucket {i} {name} is {desc}, expected {(t.dtype, tuple(t.shape))}.")
+            _check_tensor(saved[name], t.dtype, t.numel(), f"bucket {i} {name}")
         masks = list(saved["masks"]) + ([] if saved["last_built"] is None else [saved["last_built"]])
         for ix in masks:
             fits = isinstance(ix, Tensor) and ix.dtype == torch.int16 and ix.dim() == 2
@@ -103,7 +99,11 @@ def check_engine_state(engine: ScapeEngine, state: Any) -> None:
 
 @torch.no_grad()
 def load_engine_state(engine: ScapeEngine, state: dict[str, Any]) -> None:
-    """Restore :func:`engine_state`; refuses (changing nothing) a state that :func:`check_engine_state` rejects."""
+    """Restore :func:`engine_state`; refuses (changing nothing) a state that :func:`check_engine_state` rejects.
+
+    A re-sharded state (from :class:`StateResharder`) has no masks: they are rebuilt from the restored momentum
+    and residual, which launches the index all-gathers, so every rank must load at the same point.
+    """
     check_engine_state(engine, state)
     masks = engine.masks
     for i, (bs, saved) in enumerate(zip(engine.buckets, state["buckets"], strict=True)):
@@ -117,6 +117,219 @@ def load_engine_state(engine: ScapeEngine, state: dict[str, Any]) -> None:
     engine.step_count = int(state["step_count"])
     masks.refresh_count = int(state["refresh_count"])
     engine.counters.load_state_dict(state["counters"])
+    if state.get(RESHARDED_FROM) is not None:
+        masks.restart(engine.step_count)
+
+
+class StateResharder:
+    """This rank's state built from the states of ``saved_world_size`` ranks, fed one at a time in rank order.
+
+    A rank never holds more than one old state besides its own new one, so the old states can be read from
+    their files one by one. Bucket membership does not depend on the world size; the padding and the shard
+    boundaries do (chunks do not: chunk c covers coordinates ``[c C, (c + 1) C)`` of its bucket on any W).
+    Per bucket, in the real coordinates ``[0, numel)`` (the padding of either layout has zero gradient,
+    momentum and residual):
+
+    - momentum and last-sent steps of this rank's region are copied from the old regions that overlap it
+      (sharded: the old shards; replicated: old rank 0's whole bucket, which every old rank holds alike).
+      New padding coordinates count as sent at the resume step (during the warm-up: at step 0, like all).
+    - residuals: the sparse collective averages the ranks' values, so the unsent gradient that counts is
+      ``E = sum_r e_r / W`` per coordinate, and the new residuals must keep ``sum_r' e'_r' / W' = E``. Masks
+      are scored by each shard's owner from its own residual, so for every coordinate the new owner (the
+      rank whose shard holds it) takes the residual that the coordinate's old owner held, the next rank
+      (``owner + 1`` mod W') takes the rest of the mass, ``W' E - e_old_owner``, and the other ranks hold zero
+      there. The rebuilt masks then score exactly what the old owners scored, and W' = W gives back states
+      that act as the saved ones. On one rank the residual is ``E`` itself. ``E`` is summed in old-rank
+      order; all of it is exact when the arithmetic is (fp64 with integer values, W a power of two), and in
+      fp32 it is rounded like one more residual update.
+
+    The byte counters continue old rank ``min(rank, saved_world_size - 1)``'s totals (every rank counts the
+    same bytes; the wait times are that rank's). The step and refresh counters are every old rank's (they
+    must agree). The masks are left out: :func:`load_engine_state` rebuilds them.
+
+    Args:
+        engine: The engine that will load the result (the new layout, rank and configuration).
+        saved_world_size: The number of ranks that saved the states.
+    """
+
+    def __init__(self, engine: ScapeEngine, saved_world_size: int) -> None:
+        if not isinstance(saved_world_size, int) or saved_world_size < 1:
+            raise ValueError(f"SCAPE state: saved world size {saved_world_size!r} is not a positive integer.")
+        self.engine = engine
+        self.saved_world_size = saved_world_size
+        self._fed = 0
+        self._first: dict[str, Any] | None = None
+        self._counters: dict[str, Any] | None = None
+        self._momentum = [torch.zeros_like(bs.momentum, device="cpu") for bs in engine.buckets]
+        self._last_sent = [torch.zeros_like(bs.last_sent, device="cpu") for bs in engine.buckets]
+        self._residual = [torch.zeros_like(bs.residual, device="cpu") for bs in engine.buckets]
+        # Where this rank takes the rest of the mass: the shard of the previous rank (on one rank: everything).
+        self._rest = [self._rest_of(bs) for bs in engine.buckets]
+        # Over those coordinates: the sum of the old residuals, and the old owners' residuals.
+        self._sum = [
+            torch.zeros(rest.stop - rest.start, dtype=bs.residual.dtype)
+            for rest, bs in zip(self._rest, engine.buckets, strict=True)
+        ]
+        self._owner = [torch.zeros_like(t) for t in self._sum]
+
+    def _rest_of(self, bs: BucketState) -> slice:
+        """The real coordinates of the shard whose residual mass beyond its owner's this rank holds."""
+        W, n = self.engine.world_size, bs.layout.numel
+        if W == 1:
+            return slice(0, n)
+        S = bs.layout.shard_numel
+        d = (self.engine.rank - 1) % W
+        return slice(min(d * S, n), min((d + 1) * S, n))
+
+    def add(self, state: Any) -> None:
+        """Take in the next old rank's state (``ValueError`` if it does not fit); only what it copies is kept."""
+        rank, W = self._fed, self.saved_world_size
+        if rank >= W:
+            raise ValueError(f"SCAPE state: got more than the {W} rank states of a run on {W} ranks.")
+        self._check(state, rank)
+        engine = self.engine
+        if self._first is None:
+            self._first = {k: state[k] for k in ("step_count", "refresh_count")}
+            if int(state["step_count"]) >= engine.config.dense_warmup_steps:
+                # Past the warm-up every coordinate has a last-sent step; the new padding gets the resume step.
+                for t in self._last_sent:
+                    t.fill_(int(state["step_count"]))
+        for i, (bs, saved) in enumerate(zip(engine.buckets, state["buckets"], strict=True)):
+            n, old_padded = bs.layout.numel, int(state["layout"][i][2])
+            old_shard = slice(rank * (old_padded // W), (rank + 1) * (old_padded // W))
+            if engine.config.sharded:
+                old_region = old_shard
+            else:  # every old rank holds the same whole bucket: take old rank 0's
+                old_region = slice(0, old_padded) if rank == 0 else slice(0, 0)
+            _copy_overlap(saved["momentum"], old_region, self._momentum[i], bs.region, n)
+            _copy_overlap(saved["last_sent"], old_region, self._last_sent[i], bs.region, n)
+            residual = saved["residual"]
+            rest = self._rest[i]
+            self._sum[i] += residual[rest].cpu()
+            if engine.world_size > 1:
+                # The old owner's residual where this rank is the new owner, and where it takes the rest.
+                _copy_overlap(residual[old_shard], old_shard, self._residual[i][bs.shard], bs.shard, n)
+                _copy_overlap(residual[old_shard], old_shard, self._owner[i], rest, n)
+        if rank == min(engine.rank, W - 1):
+            self._counters = state["counters"]
+        self._fed += 1
+
+    def result(self) -> dict[str, Any]:
+        """This rank's state, for :func:`load_engine_state` (after every old rank's state was added)."""
+        W = self.saved_world_size
+        if self._fed != W or self._first is None or self._counters is None:
+            raise ValueError(f"SCAPE state: got {self._fed} rank states of a run on {W} ranks; all {W} are needed.")
+        engine = self.engine
+        for residual, rest, total, owner in zip(self._residual, self._rest, self._sum, self._owner, strict=True):
+            # W' E - e_old_owner, with E = sum / W; on one rank E itself (the owner's share is the whole mass).
+            residual[rest] = total * engine.world_size / W - owner
+        return {
+            "version": STATE_VERSION,
+            "config": engine.config.to_dict(),
+            "world_size": engine.world_size,
+            "rank": engine.rank,
+            "layout": _layout(engine),
+            "step_count": self._first["step_count"],
+            "refresh_count": self._first["refresh_count"],
+            "counters": self._counters,
+            "buckets": [
+                {"momentum": m, "residual": e, "last_sent": s, "masks": [], "last_built": None}
+                for m, e, s in zip(self._momentum, self._residual, self._last_sent, strict=True)
+            ],
+            RESHARDED_FROM: W,
+        }
+
+    def _check(self, state: Any, rank: int) -> None:
+        """Everything :meth:`add` relies on: version, origin, configuration, layout, shapes, counters."""
+        engine, W = self.engine, self.saved_world_size
+        _check_version(state)
+        if state["world_size"] != W or state["rank"] != rank:
+            raise ValueError(
+                f"SCAPE state: expected the state of rank {rank} of {W}, got rank {state['rank']} of "
+                f"{state['world_size']}."
+            )
+        _check_config(engine, state)
+        saved = [tuple(x) for x in state["layout"]]
+        mine = [(b.layout.group_index, b.layout.numel) for b in engine.buckets]
+        if [x[:2] for x in saved] != mine or len(state["buckets"]) != len(engine.buckets):
+            raise ValueError(
+                "SCAPE state has another bucket layout (model, param groups or bucket_cap_mb changed): saved "
+                f"(param group, parameters) per bucket {[x[:2] for x in saved]}, current {mine}."
+            )
+        unit = W * engine.config.chunk_size
+        for i, ((_, n, padded), saved_bucket) in enumerate(zip(saved, state["buckets"], strict=True)):
+            if padded != max(1, math.ceil(n / unit)) * unit:
+                raise ValueError(
+                    f"SCAPE state: bucket {i} is padded to {padded}, which no run on {W} ranks would do."
+                )
+            region = padded // W if engine.config.sharded else padded
+            bs = engine.buckets[i]
+            _check_tensor(saved_bucket["momentum"], bs.momentum.dtype, region, f"bucket {i} momentum")
+            _check_tensor(saved_bucket["last_sent"], bs.last_sent.dtype, region, f"bucket {i} last_sent")
+            _check_tensor(saved_bucket["residual"], bs.residual.dtype, padded, f"bucket {i} residual")
+        if self._first is not None and any(state[k] != v for k, v in self._first.items()):
+            raise ValueError(
+                f"SCAPE state of rank {rank} is at step {state['step_count']} (refresh {state['refresh_count']}), "
+                f"rank 0's at step {self._first['step_count']} (refresh {self._first['refresh_count']}): the rank "
+                "states come from different saves."
+            )
+
+
+def reshard_engine_state(engine: ScapeEngine, states: Iterable[Any]) -> dict[str, Any]:
+    """This rank's state from all the ranks' states of a run on any world size (consumed one at a time).
+
+    Args:
+        engine: The engine that will load the result.
+        states: Every saved rank's :func:`engine_state`, in rank order (an iterator may read them lazily).
+
+    Returns:
+        A state for :func:`load_engine_state` on ``engine``.
+    """
+    resharder: StateResharder | None = None
+    for saved in states:
+        if resharder is None:
+            _check_version(saved)
+            resharder = StateResharder(engine, saved["world_size"])
+        resharder.add(saved)
+    if resharder is None:
+        raise ValueError("SCAPE state: no rank state was given to re-shard.")
+    return resharder.result()
+
+
+def _check_version(state: Any) -> None:
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        found = state.get("version") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(
+            f"SCAPE state has format version {found!r}; this lightning_scape reads version {STATE_VERSION}. Resume "
+            "with the lightning_scape version that wrote the checkpoint, or start a new run from its model weights."
+        )
+
+
+def _check_config(engine: ScapeEngine, state: dict[str, Any]) -> None:
+    mine = engine.config.to_dict()
+    diff = {
+        k: (state["config"].get(k), v)
+        for k, v in mine.items()
+        if k not in _RESUMABLE_CHANGES and state["config"].get(k) != v
+    }
+    if diff:
+        raise ValueError(
+            f"SCAPE state comes from another configuration (field: (saved, current)): {diff}. Resume with "
+            "the configuration the checkpoint was written with."
+        )
+
+
+def _check_tensor(got: Any, dtype: torch.dtype, numel: int, what: str) -> None:
+    if not isinstance(got, Tensor) or got.shape != (numel,) or got.dtype != dtype:
+        desc = (got.dtype, tuple(got.shape)) if isinstance(got, Tensor) else type(got).__name__
+        raise ValueError(f"SCAPE state: {what} is {desc}, expected {(dtype, (numel,))}.")
+
+
+def _copy_overlap(src: Tensor, src_at: slice, dst: Tensor, dst_at: slice, limit: int) -> None:
+    """Copy the coordinates below ``limit`` that ``src`` (holding coordinates ``src_at``) and ``dst`` share."""
+    lo, hi = max(src_at.start, dst_at.start), min(src_at.stop, dst_at.stop, limit)
+    if lo < hi:
+        dst[lo - dst_at.start : hi - dst_at.start] = src[lo - src_at.start : hi - src_at.start].to(dst.device)
 
 
 def _layout(engine: ScapeEngine) -> list[tuple[int, int, int]]:

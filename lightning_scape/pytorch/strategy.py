@@ -51,11 +51,11 @@ class ScapeStrategy(DDPStrategy):
     rank, momentum and residual untouched), ``torch.compile``, validation and the sanity check, the
     ``DistributedSampler``, and checkpoints: every rank writes its own SCAPE state beside the checkpoint
     file (``<file>.scape/rank-XXXXX.pt``), so ``trainer.fit(..., ckpt_path=...)`` continues bitwise
-    identically. The checkpoint file itself is an ordinary Lightning checkpoint (the model is replicated),
-    loadable with ``LightningModule.load_from_checkpoint``.
+    identically. A checkpoint written by another number of processes is re-sharded when it is loaded
+    (``docs/lightning.md``). The checkpoint file itself is an ordinary Lightning checkpoint (the model is
+    replicated), loadable with ``LightningModule.load_from_checkpoint``.
 
-    Not supported: resuming on another world size (refused with an error that says so, before anything is
-    loaded), and clipping ``param.grad`` yourself, e.g. in ``on_before_optimizer_step`` (the gradients were sent
+    Not supported: clipping ``param.grad`` yourself, e.g. in ``on_before_optimizer_step`` (the gradients were sent
     during backward; use ``gradient_clip_val``, which clips the synchronised values).
 
     Args:
@@ -261,6 +261,7 @@ class ScapeStrategy(DDPStrategy):
             self.global_rank,
             self.world_size,
             weights_only,
+            engines={key: opt.engine for key, opt in zip(keys, opts, strict=True)},
         )
         for key, opt in zip(keys, opts, strict=True):
             try:
