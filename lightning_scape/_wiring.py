@@ -120,20 +120,22 @@ def describe_engine(engine: ScapeEngine) -> str:
         if cfg.density_ramp_steps:
             phases.append(f"a density ramp over {cfg.density_ramp_steps} steps")
     phases.append(f"then {density:.2%} of the coordinates per step (effective density; density={cfg.density:g})")
-    line = f"lightning_scape: SCAPE on {engine.numel:,} parameters in {n} bucket{'s' if n != 1 else ''}: " + ", ".join(
-        phases
-    )
+    line = f"lightning_scape: SCAPE on {engine.numel:,} parameters in {_count(n, 'bucket')}: " + ", ".join(phases)
     small = [bs.layout for bs in engine.buckets if bs.layout.chunk_size < cfg.chunk_size]
     if small:
         sizes = "; ".join(
-            f"{b.numel:,} parameters in chunks of {b.chunk_size} with {cfg.slots_for(b.chunk_size)} slot(s)"
+            f"{b.numel:,} parameters in chunks of {b.chunk_size:,}, {_count(cfg.slots_for(b.chunk_size), 'slot')} each"
             for b in small
         )
         line += (
-            f". This model is small: {len(small)} bucket(s) use chunks below chunk_size={cfg.chunk_size}, so that "
-            f"their padding, which dense steps send, stays within 5% ({sizes})"
+            f". This model is small: {_count(len(small), 'bucket')} use chunks smaller than chunk_size="
+            f"{cfg.chunk_size}, sized so that the padding the dense steps send stays within 5% ({sizes})"
         )
     return line + "."
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 # --------------------------------------------------------------------------------- the dense warm-up

@@ -32,8 +32,8 @@ class ScapeConfig:
             chunks let top-k pick more freely; smaller ones make the per-chunk slot count coarse
             (C * d should be >= 8 for the statistic to matter). Buckets are padded to a multiple of
             ``world_size * chunk_size``, which the dense warm-up sends; where that padding would exceed 5%
-            of a (tiny) model, its most padded buckets get smaller power-of-two chunks, each with
-            ``max(1, round(density * C))`` slots (so a density above ``density``).
+            of a (tiny) model, its most padded buckets get smaller chunks sized to the bucket, each with
+            ``max(1, round(density * C))`` slots (a density above ``density`` when that rounds up).
         sharded: True keeps momentum only for the shard this rank owns (ZeRO-1 memory: 4/W bytes per
             parameter) and sends reduce-scatter + parameter all-gather + mask indices. False keeps the
             full momentum on every rank and sends one all-reduce of the values, no parameters or

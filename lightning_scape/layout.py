@@ -4,8 +4,8 @@ A bucket holds parameters of one param group, dtype and device, in the order the
 expected (reverse of the model's registration order, as DDP does). It is padded to a multiple of
 ``world_size * C`` and cut into ``world_size`` equal shards; rank r owns shard r of every bucket. C is the
 configured ``chunk_size``, except in a model so small that this padding would exceed
-:data:`MAX_PADDING_FRACTION` of its parameters: then the most padded buckets get the largest power-of-two
-chunk size that keeps their own padding within that fraction (:func:`fit_chunk_sizes`).
+:data:`MAX_PADDING_FRACTION` of its parameters: then the most padded buckets get chunks sized to the bucket
+(:func:`fit_chunk_sizes`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 # The padding a model may carry, as a fraction of its parameter bytes. The dense warm-up reduce-scatters and
 # all-gathers whole buckets, padding included, so this bounds its bytes at 1.05x DDP's. At the default
 # chunk_size (4096) real models stay far below it (the demo's 0.86M-parameter model: 1.3% at W = 2, and
-# unchanged); a 4.3K-parameter model at W = 4 would be padded to 4x its size (measured: 1.68x DDP's
-# bytes on the wire at W = 2) and gets smaller chunks instead.
+# unchanged); a 4.3K-parameter model would be padded to 8,192 parameters at W = 2 (3.8x DDP's bytes with
+# weights and biases in two buckets) and gets smaller chunks instead.
 MAX_PADDING_FRACTION = 0.05
 
 
@@ -153,13 +153,23 @@ def _set_chunk_size(bucket: Bucket, chunk_size: int) -> None:
 
 
 def fit_chunk_sizes(buckets: list[Bucket], max_padding: float = MAX_PADDING_FRACTION) -> None:
-    """Shrink the chunks of the most padded buckets until the model's padding is within ``max_padding``.
+    """Size the chunks of the most padded buckets to the bucket, until the model's padding is within ``max_padding``.
 
     Nothing changes while the padding of all buckets together is at most ``max_padding`` of the parameter
     bytes (every model of more than a few hundred thousand parameters at the default chunk size). Otherwise,
-    most padded bucket first, a bucket gets the largest power-of-two chunk size below its own whose padding
-    is at most ``max_padding`` of the bucket (1 if none is: a bucket of chunk size 1 is padded by at most
-    ``world_size - 1`` elements), until the total is within the bound. All ranks compute the same layout.
+    most padded bucket first, a bucket keeps its number of chunks per shard (m, at least 1) and gets the
+    chunk size ``ceil(numel / (world_size * m))``, the smallest that holds it: its padding falls below
+    ``world_size * m`` elements. These chunk sizes need not be powers of two (the Triton kernels that need
+    one then run their references for that bucket: only tiny buckets are sized so). All ranks compute the
+    same layout.
+
+    Why not the largest power of two that keeps the padding within bounds: it makes the chunks of a tiny
+    model tiny (32 coordinates for 2,177 parameters at W = 2), each chunk must then send its one slot
+    whether or not it holds anything large, and the sparse phase trains much worse. Measured on a
+    2,177-parameter MLP, W = 2, 400 steps of AdamS at lr 1e-2 after 100 dense steps, mean loss of the
+    last 50: dense 0.231, power-of-two chunks 3.83 (diverging), chunks sized to the bucket 1.49, the
+    padded layout 0.41 (its 41 slots all fell on rank 0's real coordinates: 1.9% instead of 1%). On a
+    12,545-parameter MLP: dense 0.42, power-of-two 5.4, sized to the bucket 0.78, padded 0.67.
 
     Args:
         buckets: The buckets, each with its ``world_size``, ``numel`` and configured ``chunk_size`` set;
@@ -176,8 +186,6 @@ def fit_chunk_sizes(buckets: list[Bucket], max_padding: float = MAX_PADDING_FRAC
         if total <= budget:
             return
         before = pad_bytes(b)
-        c = b.chunk_size
-        while c > 1 and padded_numel(b.numel, b.world_size, c) - b.numel > max_padding * b.numel:
-            c //= 2
-        _set_chunk_size(b, c)
+        chunks_per_shard = max(1, math.ceil(b.numel / (b.world_size * b.chunk_size)))
+        _set_chunk_size(b, max(1, math.ceil(b.numel / (b.world_size * chunks_per_shard))))
         total += pad_bytes(b) - before

@@ -238,7 +238,7 @@ def test_counters_equal_the_bytes_formula(world_size: int, sharded: bool) -> Non
     dN = out["slots"]
     cfg = ScapeConfig(**spec["config"])
     # Every chunk of a bucket has the slots of the bucket's chunk size (this tiny net's buckets use chunks
-    # below chunk_size, so that their padding stays within 5%: docs/algorithm.md section 3).
+    # sized to the bucket, so that their padding stays within 5%: docs/algorithm.md section 3).
     assert dN == sum(P // C * cfg.slots_for(C) for P, C in out["layout"])
     assert N / n_real <= 1.05
     for step in range(5):
@@ -293,7 +293,7 @@ def test_a_toy_model_sends_no_more_than_ddp_in_the_dense_warmup(numel: int, worl
     assert ddp <= dense <= 1.05 * ddp, (n, dense / max(ddp, 1))
 
 
-def test_chunks_shrink_only_where_the_padding_would_exceed_five_percent() -> None:
+def test_chunks_are_sized_to_the_bucket_only_where_the_padding_would_exceed_five_percent() -> None:
     from lightning_scape.layout import build_buckets
 
     def layout(*group_sizes: int, world_size: int = 2) -> list[tuple[int, int]]:
@@ -305,13 +305,14 @@ def test_chunks_shrink_only_where_the_padding_would_exceed_five_percent() -> Non
     # The demo's model at W = 2: 856,064 matrix and 1,152 norm parameters, padded 1.3% in all: unchanged, so
     # it trains bitwise as before, even though its small bucket alone is mostly padding.
     assert layout(856_064, 1_152) == [(860_160, 4096), (8_192, 4096)]
-    # A 4,300-parameter model: 8,192 at chunk 4096 (1.9x); the largest chunks within 5% are 128 (W = 2), 64 (W = 4).
-    assert layout(4_300) == [(4_352, 128)]
-    assert layout(4_300, world_size=4) == [(4_352, 64)]
-    # Two buckets: the most padded one shrinks first, and only as far as the model needs.
-    assert layout(200_000, 300) == [(204_800, 4096), (304, 8)]
-    # Too small for any chunk: chunk size 1 pads by at most world_size - 1 elements.
-    assert layout(30, world_size=4) == [(32, 1)]
+    # A 4,300-parameter model: 8,192 at chunk 4096 (1.9x); its one chunk per shard is sized to the bucket.
+    assert layout(4_300) == [(4_300, 2_150)]
+    assert layout(4_300, world_size=4) == [(4_300, 1_075)]
+    assert layout(20_000, world_size=8) == [(20_000, 2_500)]
+    # Two buckets: the most padded one is sized first, and only as many as the model needs.
+    assert layout(200_000, 300) == [(204_800, 4096), (300, 150)]
+    # Padding below world_size elements per chunk of a shard: 30 parameters in 4 shards of 8.
+    assert layout(30, world_size=4) == [(32, 8)]
 
 
 def test_world_size_one_sends_nothing() -> None:

@@ -303,8 +303,10 @@ def test_the_engine_line_states_the_warmup_and_the_effective_density() -> None:
     line = wiring.describe_engine(engine)
     assert "1,049,600 parameters in 1 bucket" in line and "first 100 steps dense (dense_warmup_steps)" in line
     assert "1.00% of the coordinates per step (effective density; density=0.01)" in line and "small" not in line
-    # The tiny net at the default chunk size would be mostly padding: its buckets get smaller chunks, one slot
-    # each, and the line says so.
+    # The tiny net at the default chunk size would be mostly padding: its buckets get chunks sized to them,
+    # and the line says so (its 88 biases get 1 slot: 1.1%).
     tiny = wiring.describe_engine(_stepped_engine(ScapeConfig(), 0))
-    assert "2,968 parameters in 2 buckets" in tiny and "This model is small: 2 bucket(s)" in tiny
-    assert "2,880 parameters in chunks of 128 with 1 slot(s)" in tiny, tiny
+    assert "2,968 parameters in 2 buckets" in tiny and "1.01% of the coordinates" in tiny
+    assert "This model is small: 2 buckets use chunks smaller than chunk_size=4096" in tiny, tiny
+    assert "2,880 parameters in chunks of 2,880, 29 slots each" in tiny
+    assert "88 parameters in chunks of 88, 1 slot each" in tiny
