@@ -128,7 +128,8 @@ def describe_engine(engine: ScapeEngine) -> str:
             for b in small
         )
         line += (
-            f". This model is small: {_count(len(small), 'bucket')} use chunks smaller than chunk_size="
+            f". This model is small: {_count(len(small), 'bucket')} {'uses' if len(small) == 1 else 'use'} chunks "
+            "smaller than chunk_size="
             f"{cfg.chunk_size}, sized so that the padding the dense steps send stays within 5% ({sizes})"
         )
     return line + "."
