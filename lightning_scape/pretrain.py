@@ -463,7 +463,6 @@ class _CommunicationLogger:
         self.fabric: L.Fabric | None = None
         self.train = train
         self.seq_len = train.max_seq_length or recipe.model_config.block_size
-        self.nodes_devices = recipe.n_devices
         self.clock = _Clock()
         self.log_dir: Path | None = None
         self.last_sparse: tuple[int, int] | None = None  # (bytes sent, dense equivalent) of the last sparse step
