@@ -22,7 +22,8 @@ COMMANDS: dict[str, str] = {
 }
 
 DEMO_DESCRIPTION = """\
-Dense AdamS against SCAPE on real text, on 2 CPU processes of this machine (gloo), about 2-3 minutes on 2 cores.
+Dense AdamS against SCAPE on real text, on 2 CPU processes of this machine (gloo): about 2-3 minutes on
+2 cores.
 
 A small litgpt GPT (0.86M parameters, byte tokens) trains twice through Lightning Fabric with the same seed,
 data order and learning-rate schedule: once dense (every gradient all-reduced, what DDP sends), once with
