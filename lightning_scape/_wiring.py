@@ -2,19 +2,23 @@
 
 The two adapters (``lightning_scape/strategy.py`` for Fabric, ``lightning_scape/pytorch/strategy.py`` for
 the Trainer) route Lightning's calls to the engine through these helpers: the SCAPE options a strategy
-accepts, the process-group timeout, building the optimizer and its engine, rank 0's weights at set-up,
-fp16 loss scaling, and the strategy registry. The algorithm is :class:`~lightning_scape.engine.ScapeEngine`,
+accepts, the process-group timeout, building the optimizer and its engine (and the line that describes it),
+rank 0's weights at set-up, fp16 loss scaling, the notice of a run that never leaves its dense warm-up, and
+the strategy registry. The algorithm is :class:`~lightning_scape.engine.ScapeEngine`,
 the optimizer :mod:`lightning_scape.optimizer`, the checkpoint files :mod:`lightning_scape.checkpoints`.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -95,7 +99,102 @@ def build_scape_optimizer(
         loss_scale=loss_scale,
         skip_nonfinite=scaler is not None,
     )
+    rank_zero_info(describe_engine(engine))
     return ScapeOptimizer(adams, engine, source=optimizer)
+
+
+def describe_engine(engine: ScapeEngine) -> str:
+    """One line for the log: the parameters, the dense warm-up, and the density the sparse steps really send.
+
+    The effective density is the mask slots over the (padded) coordinates. It is ``slots_per_chunk /
+    chunk_size`` (41 / 4096 = 1.00% for d = 0.01), except in a model so small that some buckets use smaller
+    chunks (``docs/algorithm.md``, layout), where one slot per chunk is more than d.
+    """
+    cfg = engine.config
+    slots = sum(bs.layout.chunks * cfg.slots_for(bs.layout.chunk_size) for bs in engine.buckets)
+    density = slots / engine.padded_numel
+    n = len(engine.buckets)
+    phases = []
+    if cfg.dense_warmup_steps:
+        phases.append(f"the first {cfg.dense_warmup_steps} steps dense (dense_warmup_steps)")
+        if cfg.density_ramp_steps:
+            phases.append(f"a density ramp over {cfg.density_ramp_steps} steps")
+    phases.append(f"then {density:.2%} of the coordinates per step (effective density; density={cfg.density:g})")
+    line = f"lightning_scape: SCAPE on {engine.numel:,} parameters in {_count(n, 'bucket')}: " + ", ".join(phases)
+    small = [bs.layout for bs in engine.buckets if bs.layout.chunk_size < cfg.chunk_size]
+    if small:
+        sizes = "; ".join(
+            f"{b.numel:,} parameters in chunks of {b.chunk_size:,}, {_count(cfg.slots_for(b.chunk_size), 'slot')} each"
+            for b in small
+        )
+        line += (
+            f". This model is small: {_count(len(small), 'bucket')} {'uses' if len(small) == 1 else 'use'} chunks "
+            "smaller than chunk_size="
+            f"{cfg.chunk_size}, sized so that the padding the dense steps send stays within 5% ({sizes})"
+        )
+    return line + "."
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+# --------------------------------------------------------------------------------- the dense warm-up
+
+
+class WarmupNotice:
+    """Says once, on rank 0, that a run is too short to leave its dense warm-up.
+
+    A run that never leaves ``dense_warmup_steps`` sends the whole gradient at every step, as DDP does, and
+    never shows what SCAPE does. Where the length of the run is known before it starts (the Trainer's
+    ``estimated_stepping_batches``, the ``pretrain`` command's token budget) the warning comes then, while the
+    user can still change the warm-up; otherwise (Fabric) it comes at the end of the run.
+    """
+
+    def __init__(self) -> None:
+        self.given = False
+
+    def before_run(self, config: ScapeConfig, planned_steps: float | None) -> None:
+        """Warn if ``planned_steps`` optimizer steps (None or inf: not known) all lie in the warm-up."""
+        warmup = config.dense_warmup_steps
+        if self.given or planned_steps is None or not math.isfinite(planned_steps) or planned_steps < 1:
+            return
+        steps = int(planned_steps)
+        if steps > warmup:
+            return
+        self.given = True
+        rank_zero_warn(
+            f"lightning_scape: this run has {steps} optimizer steps, all inside SCAPE's dense warm-up "
+            f"(dense_warmup_steps={warmup}): every step sends the whole gradient, as DDP does, and no step is "
+            "sparse. For a run this short pass a smaller warm-up, e.g. "
+            f"ScapeStrategy(dense_warmup_steps={max(1, steps // 10)}) (about 10% of the steps)."
+        )
+
+    def after_run(self, engine: ScapeEngine) -> None:
+        """Warn if ``engine`` stepped, but not beyond its dense warm-up."""
+        warmup = engine.config.dense_warmup_steps
+        if self.given or not 0 < engine.step_count <= warmup:
+            return
+        self.given = True
+        rank_zero_warn(
+            f"lightning_scape: the run ended after {engine.step_count} optimizer steps, inside SCAPE's dense "
+            f"warm-up (dense_warmup_steps={warmup}): every step sent the whole gradient, as DDP does, and no step "
+            "was sparse. For runs this short pass a smaller warm-up, e.g. "
+            f"ScapeStrategy(dense_warmup_steps={max(1, engine.step_count // 10)}) (about 10% of the steps)."
+        )
+
+
+def call_at_exit(method: Callable[[], None]) -> None:
+    """Call the bound ``method`` when the interpreter exits, unless its object is gone by then."""
+    import atexit
+
+    atexit.register(_call_if_alive, weakref.WeakMethod(method))
+
+
+def _call_if_alive(ref: weakref.WeakMethod[Callable[[], None]]) -> None:
+    method = ref()
+    if method is not None:
+        method()
 
 
 def broadcast_module_states(module: Module) -> None:

@@ -28,11 +28,14 @@ class ScapeConfig:
         density: Fraction d of the coordinates sent per step, in (0, 1]. 0.01 sends 1% of the gradient
             values (about 67x fewer bytes than ZeRO-1 in sharded mode); 0.1 is the safe choice for
             short runs. Each chunk gets ``max(1, round(density * chunk_size))`` slots, so the effective
-            density is ``slots_per_chunk / chunk_size``.
+            density is ``slots_per_chunk / chunk_size`` (higher in the smaller chunks of a tiny model's
+            buckets: see ``chunk_size``).
         chunk_size: Coordinates per mask chunk C, a power of two <= 32768 (indices are int16). Larger
             chunks let top-k pick more freely; smaller ones make the per-chunk slot count coarse
             (C * d should be >= 8 for the statistic to matter). Buckets are padded to a multiple of
-            ``world_size * chunk_size``, so tiny models want a small chunk.
+            ``world_size * chunk_size``, which the dense warm-up sends; where that padding would exceed 5%
+            of a (tiny) model, its most padded buckets get smaller chunks sized to the bucket, each with
+            ``max(1, round(density * C))`` slots (a density above ``density`` when that rounds up).
         sharded: True keeps momentum only for the shard this rank owns (ZeRO-1 memory: 4/W bytes per
             parameter) and sends reduce-scatter + parameter all-gather + mask indices. False keeps the
             full momentum on every rank and sends one all-reduce of the values, no parameters or
@@ -113,8 +116,16 @@ class ScapeConfig:
 
     @property
     def slots_per_chunk(self) -> int:
-        """k_c: the number of mask slots in every chunk."""
-        return max(1, round(self.density * self.chunk_size))
+        """k_c: the number of mask slots in every chunk of ``chunk_size`` coordinates."""
+        return self.slots_for(self.chunk_size)
+
+    def slots_for(self, chunk_size: int) -> int:
+        """The mask slots of a chunk of ``chunk_size`` coordinates after the ramp: ``max(1, round(density * C))``.
+
+        Buckets of a very small model may use chunks smaller than ``chunk_size`` (``docs/algorithm.md``,
+        layout); their density is then ``slots_for(C) / C``, higher than ``density`` when ``density * C < 1``.
+        """
+        return max(1, round(self.density * chunk_size))
 
     @property
     def explore_slots_per_chunk(self) -> int:
@@ -125,25 +136,35 @@ class ScapeConfig:
         """The round-robin exploration slots among ``k`` slots of a chunk."""
         return min(k, round(self.exploration * k))
 
-    def slots_at(self, step: int) -> int:
+    def slots_at(self, step: int, chunk_size: int | None = None) -> int:
         """The slots per chunk of the masks built for sparse step ``step`` (1-based, warm-up included).
 
-        ``slots_per_chunk``, except on the density ramp that follows a dense warm-up.
+        ``slots_for(chunk_size)``, except on the density ramp that follows a dense warm-up.
+
+        Args:
+            step: The sparse step that first uses the mask.
+            chunk_size: The bucket's chunk size C (default: ``self.chunk_size``).
         """
+        C = self.chunk_size if chunk_size is None else chunk_size
+        k_final = self.slots_for(C)
         ramp_step = step - self.dense_warmup_steps
         if self.dense_warmup_steps == 0 or not 0 < ramp_step < self.density_ramp_steps:
-            return self.slots_per_chunk
+            return k_final
         frac = ramp_step / self.density_ramp_steps
         if self.density_ramp_shape == "geometric":
             d = self.density**frac
         else:
             d = 1.0 - (1.0 - self.density) * frac
-        return min(self.chunk_size, max(self.slots_per_chunk, round(d * self.chunk_size)))
+        return min(C, max(k_final, round(d * C)))
 
     @property
     def max_slots_per_chunk(self) -> int:
         """The most slots per chunk any step uses (the first step of the ramp): the compact buffers' capacity."""
-        return self.slots_at(self.dense_warmup_steps + 1)
+        return self.max_slots(self.chunk_size)
+
+    def max_slots(self, chunk_size: int) -> int:
+        """:attr:`max_slots_per_chunk` for chunks of ``chunk_size`` coordinates."""
+        return self.slots_at(self.dense_warmup_steps + 1, chunk_size)
 
     @property
     def effective_density(self) -> float:

@@ -107,6 +107,9 @@ class ScapeStrategy(DDPStrategy):
         self._scape_optimizers: list[ScapeOptimizer] = []
         self._failed = False
         self._checkpoint_world_size: int | None = None
+        # Fabric does not know when a run ends: the warm-up notice comes at teardown, or when the process exits.
+        self._warmup_notice = _wiring.WarmupNotice()
+        self._exit_hook_registered = False
 
     @property
     def checkpoint_world_size(self) -> int | None:
@@ -163,6 +166,9 @@ class ScapeStrategy(DDPStrategy):
         scaler = _wiring.grad_scaler_of(self.precision)
         scape = _wiring.build_scape_optimizer(optimizer, self.scape_config, module, scaler)
         self._scape_optimizers.append(scape)
+        if not self._exit_hook_registered:
+            _wiring.call_at_exit(self._note_end_of_run)
+            self._exit_hook_registered = True
         return scape
 
     # ----------------------------------------------------------------------------------------- a step
@@ -353,9 +359,17 @@ class ScapeStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         """Remove the engines' hooks (without waiting on collectives when a rank failed)."""
+        self._note_end_of_run()
         for opt in self._scape_optimizers:
             opt.engine.close(wait=not self._failed)
         super().teardown()
+
+    def _note_end_of_run(self) -> None:
+        """Warn (once, rank 0) if the run ended inside its dense warm-up; called at teardown and at exit."""
+        if self._failed:
+            return
+        for opt in self._scape_optimizers:
+            self._warmup_notice.after_run(opt.engine)
 
     @classmethod
     @override

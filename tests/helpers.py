@@ -193,7 +193,7 @@ def make_batch(rank: int, step: int, dtype: torch.dtype = torch.float32) -> tupl
 def run_worker(rank: int, comm: Communicator, spec: dict[str, Any]) -> dict[str, Any]:
     """One rank of a deterministic engine run on the tiny net (same model everywhere, rank-specific data):
     ``spec["steps"]`` steps of ``ScapeConfig(**spec["config"])``; returns per-step parameters, byte counters and
-    masks, and the final layout and residuals."""
+    masks, and the final layout (per bucket: padded size and chunk size) and residuals."""
     dtype = getattr(torch, spec.get("dtype", "float32"))
     cfg = ScapeConfig(**spec["config"])
     model = make_net(spec.get("seed", 0), dtype)
@@ -217,6 +217,7 @@ def run_worker(rank: int, comm: Communicator, spec: dict[str, Any]) -> dict[str,
     out["padded_numel"] = engine.padded_numel
     out["numel"] = engine.numel
     out["slots"] = engine.slots
+    out["layout"] = [(bs.layout.padded_numel, bs.layout.chunk_size) for bs in engine.buckets]
     out["residual"] = [bs.residual.clone() for bs in engine.buckets]
     engine.close()
     return out

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import write_corpus
 
-from lightning_scape.__main__ import main
 from lightning_scape.demo import CSV_COLUMNS, run_demo
+from lightning_scape_cli import COMMANDS, main
 
 STEPS, EVAL_EVERY = 6, 4
 
@@ -28,8 +28,18 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
     argv += ["--eval-every", str(EVAL_EVERY), "--data", str(corpus), "--out", str(out)]
     dense, scape = run_demo(argv)
     text = capsys.readouterr().out
-    assert "dense AdamS" in text and "SCAPE d=0.01" in text and "kB sent/step" in text
+    assert "dense AdamS" in text and "SCAPE d=0.01" in text and "kB sent per step" in text
     assert str(out / "demo.csv") in text and str(out / "demo.png") in text
+    # Distinct column heads: the steps after SCAPE's warm-up, and the whole run.
+    head = next(line for line in text.splitlines() if line.startswith("method"))
+    assert head.split() == ["method", "tokens/s", *["steps", "3-6", "steps", "1-6"] * 2, "train", "loss", "val", "loss"]
+    rows = {line[:14].strip(): line[14:].split() for line in text.splitlines() if line.startswith(("dense", "SCAPE"))}
+    assert float(rows["SCAPE d=0.01"][1]) == pytest.approx(scape["bytes_per_step"] / 1e3, abs=0.05)
+    assert float(rows["SCAPE d=0.01"][2]) == pytest.approx(scape["bytes_per_step_all"] / 1e3, abs=0.05)
+    # The notes say what the numbers mean, with this run's quality gap and throughput.
+    gap = scape["val_loss"] - dense["val_loss"]
+    assert f"Quality: SCAPE ends {abs(gap):.3f} nats" in text and ("above" if gap >= 0 else "below") in text
+    assert "loopback, which is never the" in text and "benchmarks/network/" in text
 
     # SCAPE's sparse steps send about (W-1)/W * d N (b_g + b_p + b_i) = 1% * 10/4 of DDP's 2 (W-1)/W N b.
     assert scape["bytes_per_step"] < dense["bytes_per_step"] / 50
@@ -46,6 +56,7 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
     assert dense["train_losses"][0] == scape["train_losses"][0]
     assert dense["train_losses"][:3] == pytest.approx(scape["train_losses"][:3], rel=1e-5)
 
+    assert b"\r" not in (out / "demo.csv").read_bytes()  # plain \n line endings
     with open(out / "demo.csv", newline="") as fh:
         reader = csv.reader(fh)
         assert tuple(next(reader)) == CSV_COLUMNS
@@ -99,6 +110,30 @@ def test_invalid_scape_setting_is_refused_before_any_process_starts(capsys: pyte
     assert exit_info.value.code == 2 and "density=2.0 must lie in (0, 1]" in capsys.readouterr().err
 
 
-def test_cli_usage_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([]) == 0 and "lightning-scape demo" in capsys.readouterr().out
-    assert main(["frobnicate"]) == 2 and "unknown command" in capsys.readouterr().err
+def test_cli_describes_each_command_and_names_an_unknown_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name, description in COMMANDS.items():  # one line per command: its name, then what it does
+        assert any(line.split(None, 1) == [name, description] for line in lines), lines
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'; the commands are demo, pretrain" in capsys.readouterr().err
+    assert main(["--frobnicate"]) == 2 and "unknown option '--frobnicate'" in capsys.readouterr().err
+
+
+def test_help_answers_without_importing_torch() -> None:
+    """``lightning-scape --help``, ``demo --help`` and a bad demo value, in a fresh interpreter: no torch."""
+    script = (
+        "import sys, lightning_scape_cli as cli\n"
+        "assert cli.main(['--help']) == 0\n"
+        "for argv in (['demo', '--help'], ['demo', '--steps', 'many']):\n"
+        "    try:\n"
+        "        cli.main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        print('exit', exc.code)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--warmup" in proc.stdout and "exit 0" in proc.stdout and "exit 2" in proc.stdout
+    assert "invalid int value: 'many'" in proc.stderr
+    assert proc.stdout.rstrip().endswith("torch imported: False"), proc.stdout

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,9 @@ def test_overrides_and_data_shorthand(tmp_path: Path) -> None:
         (["--scape.densty", "0.1"], "densty"),
         (["--scape.chunk_size", "1000"], "power of two"),
         (["--train.max_steps", "10"], "--train.max_tokens 20480"),
+        (["--train.max_time", "60"], "train.max_time=60.0 cannot be used: litgpt's pretraining loop stops on"),
+        (["--train.epochs", "2"], "train.epochs=2 cannot be used"),
+        (["--eval.max_new_tokens", "5"], "pretraining generates no text"),
         (["--precision", "bf16-true"], "'bf16-mixed' (GPUs) or '32-true'"),
         (["--model_config.padded_vocab_size", "128", "--model_config.vocab_size", "128"], "at least 256"),
         (["--data", "/no/such/folder"], "/no/such/folder"),
@@ -96,10 +101,15 @@ def test_bpe_vocab_larger_than_the_embedding_is_refused(tmp_path: Path) -> None:
         pretrain(**kwargs)
 
 
-def test_help_lists_the_scape_section(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_the_scape_section_and_not_the_refused_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_pretrain(["--help"]) == 0
     out = capsys.readouterr().out
     assert "--scape.density" in out and "--train.max_tokens" in out and "--config" in out
+    for refused in ("--train.max_steps", "--train.max_time", "--train.epochs", "--eval.max_new_tokens"):
+        assert refused not in out
+    # --compile follows the accelerator, and says why it is off on the CPU.
+    compile_help = " ".join(out[out.rindex("--compile {") :].split()[:60])
+    assert "Default: on with CUDA, off on the CPU, where compiling takes longer" in compile_help, compile_help
 
 
 def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores_everything(tmp_path: Path) -> None:
@@ -108,7 +118,7 @@ def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores
     import torch._dynamo
     import yaml
 
-    from lightning_scape.pretrain import _litgpt_adapted
+    from lightning_scape.pretrain import _Clock, _litgpt_adapted
 
     def litgpt_save(*args: Any) -> None:
         raise AssertionError("litgpt's own hyperparameter capture would re-parse sys.argv")
@@ -124,6 +134,26 @@ def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores
     assert module.save_hyperparameters is litgpt_save and torch._dynamo.config.disable == before
     assert yaml.safe_load((tmp_path / "hyperparameters.yaml").read_text()) == {"scape": {"density": 0.01}}
     assert (tmp_path / "tokenizer.json").read_text() == '{"model": "bpe"}'
+
+    # With a clock and a Fabric: validation pauses the clock, and litgpt's "Tok/sec" line is not printed.
+    printed: list[str] = []
+
+    def validate(*args: Any) -> float:
+        time.sleep(0.2)
+        return 1.0
+
+    module = types.SimpleNamespace(save_hyperparameters=litgpt_save, validate=validate, save_checkpoint=print)
+    fabric = types.SimpleNamespace(print=printed.append)
+    clock = _Clock()
+    with _litgpt_adapted(module, compile=True, hyperparameters=None, data=data, fabric=fabric, clock=clock):
+        clock.step_done(1)
+        assert module.validate() == 1.0
+        clock.step_done(2)
+        for line in ("| - Total tokens  : 100", "| - Tok/sec       : 0.01 tok/s", "| - Memory Used   : 1 GB"):
+            fabric.print(line)
+    assert clock.steps == 1 and clock.seconds < 0.1  # the 0.2 s of validation left out
+    assert printed == ["| - Total tokens  : 100", "| - Memory Used   : 1 GB"]
+    assert module.validate is validate and fabric.print == printed.append
 
 
 # ------------------------------------------------------------------------------- end to end, 2 processes
@@ -221,7 +251,24 @@ def test_debug_recipe_trains_logs_and_checkpoints(full_run: tuple[Path, Path, st
     ratio = "comm/compression_ratio"
     comm = {int(r["step"]): float(r[ratio]) for r in _metrics(full) if r.get(ratio)}
     assert comm[20] == pytest.approx(1.0, rel=0.01) and comm[60] > 50, comm
-    assert "SCAPE sent" in log and "Final evaluation | val loss" in log
+    assert "Final evaluation | val loss" in log
+    # What the command prints: a readable config, the plan, compile off on the CPU, the warm-up named as such.
+    assert "SCAPE config: density=0.01, chunk_size=4096, sharded=True, dense_warmup_steps=30," in log
+    assert "{'density'" not in log and "compile: off" in log
+    assert "60 optimizer steps of 2,048 tokens; steps 1-30 are SCAPE's dense warm-up" in log
+    assert re.search(r"step 5 \| SCAPE sent [\d.]+ kB/step: dense warm-up \(step 5 of 30\)", log), log
+    assert " 1.0x fewer" not in log
+    assert re.search(r"step 60 \| SCAPE sent [\d.]+ kB/step, [\d.]+x fewer bytes than dense", log), log
+    # Its own throughput, per process and in total, instead of litgpt's "Tok/sec" (tokens / a timestamp).
+    assert "Tok/sec" not in log
+    m = re.search(r"throughput: +([\d,]+) tokens/s in total, ([\d,]+) per process \(2 processes\), steps 2-60", log)
+    assert m is not None, log
+    total, per_process = (int(g.replace(",", "")) for g in m.groups())
+    assert total > 0 and abs(total - 2 * per_process) <= 2
+    # The log folder it names holds the comm/ keys; the checkpoint it names exists.
+    logs = re.search(r"logs: +(\S+metrics\.csv) \(comm/ keys every 5 steps\)", log)
+    assert logs is not None and Path(logs.group(1)).resolve() == next(full.glob("logs/csv/**/metrics.csv")).resolve()
+    assert f"checkpoint:    {full / 'final' / 'lit_model.pth'}" in log
 
 
 @pytest.mark.dist

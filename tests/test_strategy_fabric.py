@@ -16,6 +16,7 @@ import signal
 import subprocess
 import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -127,7 +128,17 @@ def registered_name(outdir: str) -> None:
         "wrapped": type(model._forward_module).__name__,
         "sent": dict(fabric.strategy.engine.counters.total_sent),
         "strategy": type(fabric.strategy).__name__,
+        "warmup_warnings": end_of_run_warnings(fabric),
     })
+
+
+def end_of_run_warnings(fabric: Fabric) -> list[str]:
+    """What the strategy says at the end of the run (at teardown, or the exit hook it registered), said twice."""
+    with warnings.catch_warnings(record=True) as caught:  # the children run with PYTHONWARNINGS=ignore
+        warnings.simplefilter("always")
+        fabric.strategy._note_end_of_run()
+        fabric.strategy._note_end_of_run()
+    return [str(w.message) for w in caught if "dense_warmup_steps" in str(w.message)]
 
 
 def test_registered_name_with_default_configuration(fabric_runs: str) -> None:
@@ -135,6 +146,13 @@ def test_registered_name_with_default_configuration(fabric_runs: str) -> None:
         assert o["strategy"] == "ScapeStrategy" and o["config"] == ScapeConfig()
         assert o["wrapped"] == "Sequential"  # the module itself, no DistributedDataParallel
         assert o["sent"]["values"] == 0 and o["sent"]["dense"] > 0  # dense warm-up only
+
+
+def test_a_run_that_ends_inside_the_dense_warmup_is_told_once(fabric_runs: str) -> None:
+    (message,), rank1 = [o["warmup_warnings"] for o in runs(fabric_runs, "f_default")]
+    assert "ended after 2 optimizer steps" in message and "dense_warmup_steps=100" in message and not rank1
+    # A run that leaves its warm-up (2 dense steps of 8) hears nothing.
+    assert all(not o["warmup_warnings"] for o in runs(fabric_runs, "f_main"))
 
 
 @scenario("fabric")
@@ -156,7 +174,8 @@ def separate_setup_accumulation_clipping_and_monitors(outdir: str) -> None:
         logged.append({**comm.compute(), **masks.compute()})
     save_output(outdir, "f_main", torchrun_rank(), {"params": flat(model.parameters()), "norms": norms,
                                                     "logged": logged, "recorded": recorded,
-                                                    "engine": engine_snapshot(engine)})
+                                                    "engine": engine_snapshot(engine),
+                                                    "warmup_warnings": end_of_run_warnings(fabric)})
 
 
 def test_separate_setup_accumulation_and_clipping_match_the_engine(fabric_runs: str) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,7 +158,9 @@ def fit_and_record(name: str, outdir: str, strategy: Any, model: Any = None, val
     trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, **trainer_kwargs(**kw))
     train, val_loader = loaders(val)
     t0 = time.perf_counter()
-    trainer.fit(model, train, val_loader, ckpt_path=ckpt_path)
+    with warnings.catch_warnings(record=True) as caught:  # the children run with PYTHONWARNINGS=ignore
+        warnings.simplefilter("always")
+        trainer.fit(model, train, val_loader, ckpt_path=ckpt_path)
     lm = trainer.lightning_module
     out = {
         "params": flat(lm.parameters()),
@@ -173,6 +176,7 @@ def fit_and_record(name: str, outdir: str, strategy: Any, model: Any = None, val
         "progress_bar": dict(trainer.progress_bar_metrics),
         "optimizer_type": type(trainer.strategy.optimizers[0]).__name__,
         "engine": engine_snapshot(trainer.strategy.scape_optimizers[0].engine),
+        "warmup_warnings": [str(w.message) for w in caught if "dense_warmup_steps" in str(w.message)],
     }
     save_output(outdir, name, trainer.global_rank, out)
     return trainer
@@ -234,6 +238,13 @@ def test_registered_name_with_default_configuration(trainer_runs: str) -> None:
     # Two steps of the default configuration are dense warm-up: only dense traffic, as its formula says.
     sent = out[0]["steps"][0]["sent"]
     assert sent["values"] == sent["params"] == sent["indices"] == 0 and sent["dense"] > 0
+
+
+def test_a_fit_inside_the_dense_warmup_is_told_once_before_it_starts(trainer_runs: str) -> None:
+    (message,), rank1 = [o["warmup_warnings"] for o in runs(trainer_runs, "default")]
+    assert "this run has 2 optimizer steps" in message and "dense_warmup_steps=100" in message and not rank1
+    # A fit that leaves its warm-up (2 dense steps of 4) hears nothing.
+    assert all(not o["warmup_warnings"] for o in runs(trainer_runs, "main"))
 
 
 @scenario("trainer")

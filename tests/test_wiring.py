@@ -254,3 +254,59 @@ def test_early_global_norm_is_the_clipping_norm_and_changes_nothing() -> None:
     for r in range(2):
         assert early[r]["norms"] == late[r]["norms"]
         assert same(early[r]["states"], late[r]["states"])
+
+
+# ---------------------------------------------------------------------------- what the user is told
+
+
+def _stepped_engine(config: ScapeConfig, steps: int) -> ScapeEngine:
+    net = make_net()
+    engine = ScapeEngine(AdamS(param_groups(net, LR), lr=LR), config, param_order=list(net.parameters()))
+    for step in range(steps):
+        x, y = random_batch(step, 8)
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        engine.step()
+        engine.zero_grad()
+    return engine
+
+
+def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None:
+    default = ScapeConfig()  # 100 dense warm-up steps
+    with pytest.warns(UserWarning) as before:
+        notice = wiring.WarmupNotice()
+        notice.before_run(default, 30.0)  # the Trainer knows the length: the warning comes before the first step
+        notice.after_run(_stepped_engine(default, 30))
+    (message,) = [str(w.message) for w in before]
+    assert "30 optimizer steps" in message and "dense_warmup_steps=100" in message
+    assert "ScapeStrategy(dense_warmup_steps=3)" in message
+
+    with pytest.warns(UserWarning) as after:  # Fabric: at the end (teardown, or when the process exits)
+        notice = wiring.WarmupNotice()
+        notice.before_run(default, None)
+        notice.after_run(_stepped_engine(default.replace(dense_warmup_steps=4), 4))
+        notice.after_run(_stepped_engine(default.replace(dense_warmup_steps=4), 4))
+    (message,) = [str(w.message) for w in after]
+    assert "ended after 4 optimizer steps" in message and "dense_warmup_steps=4" in message
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # longer than the warm-up, no warm-up, length unknown, never stepped
+        wiring.WarmupNotice().before_run(default, 101.0)
+        wiring.WarmupNotice().before_run(default.replace(dense_warmup_steps=0), 5.0)
+        wiring.WarmupNotice().before_run(default, float("inf"))
+        wiring.WarmupNotice().after_run(_stepped_engine(default.replace(dense_warmup_steps=2), 3))
+        wiring.WarmupNotice().after_run(_stepped_engine(default, 0))
+
+
+def test_the_engine_line_states_the_warmup_and_the_effective_density() -> None:
+    big = torch.nn.Linear(1024, 1024)
+    engine = ScapeEngine(AdamS(big.parameters(), lr=LR), ScapeConfig(), param_order=list(big.parameters()))
+    line = wiring.describe_engine(engine)
+    assert "1,049,600 parameters in 1 bucket" in line and "first 100 steps dense (dense_warmup_steps)" in line
+    assert "1.00% of the coordinates per step (effective density; density=0.01)" in line and "small" not in line
+    # The tiny net at the default chunk size would be mostly padding: its buckets get chunks sized to them,
+    # and the line says so (its 88 biases get 1 slot: 1.1%).
+    tiny = wiring.describe_engine(_stepped_engine(ScapeConfig(), 0))
+    assert "2,968 parameters in 2 buckets" in tiny and "1.01% of the coordinates" in tiny
+    assert "This model is small: 2 buckets use chunks smaller than chunk_size=4096" in tiny, tiny
+    assert "2,880 parameters in chunks of 2,880, 29 slots each" in tiny
+    assert "88 parameters in chunks of 88, 1 slot each" in tiny

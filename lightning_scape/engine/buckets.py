@@ -51,8 +51,8 @@ class BucketState:
         self.residual = torch.zeros(P, dtype=sdt, device=dev)
         self.momentum = torch.zeros(region_numel, dtype=sdt, device=dev)
         self.last_sent = torch.zeros(region_numel, dtype=torch.int32, device=dev)
-        self.k = config.slots_per_chunk
-        cap = config.max_slots_per_chunk
+        self.k = config.slots_for(layout.chunk_size)
+        cap = config.max_slots(layout.chunk_size)
         region_chunks = region_numel // layout.chunk_size
         self._values = torch.zeros(layout.chunks * cap, dtype=dt, device=dev)
         self._received = torch.zeros(region_chunks * cap, dtype=dt, device=dev) if self.sharded else None

@@ -167,7 +167,8 @@ class MaskSchedule:
     def _build(self, i: int, momentum: Tensor, residual: Tensor, for_step: int) -> None:
         """Score this rank's shard of bucket ``i``, pick the slots of ``for_step`` and launch the index all-gather."""
         cfg, bs = self.config, self.buckets[i]
-        C, k = bs.layout.chunk_size, cfg.slots_at(for_step)
+        C = bs.layout.chunk_size
+        k = cfg.slots_at(for_step, C)
         ke = cfg.explore_slots(k)
         offset = (self.refresh_count * ke) % C
         dev = bs.params.device

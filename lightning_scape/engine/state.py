@@ -83,8 +83,8 @@ def check_engine_state(engine: ScapeEngine, state: Any) -> None:
             "SCAPE state has another bucket layout (model, param groups or bucket_cap_mb changed): "
             f"saved {saved_layout}, current {_layout(engine)}."
         )
-    k_min, k_max = engine.config.slots_per_chunk, engine.config.max_slots_per_chunk
     for i, (bs, saved) in enumerate(zip(engine.buckets, state["buckets"], strict=True)):
+        k_min, k_max = engine.config.slots_for(bs.layout.chunk_size), engine.config.max_slots(bs.layout.chunk_size)
         for name, t in (("momentum", bs.momentum), ("residual", bs.residual), ("last_sent", bs.last_sent)):
             _check_tensor(saved[name], t.dtype, t.numel(), f"bucket {i} {name}")
         masks = list(saved["masks"]) + ([] if saved["last_built"] is None else [saved["last_built"]])

@@ -102,6 +102,7 @@ class ScapeStrategy(DDPStrategy):
         )
         self._failed = False
         self._pending_full_states: list[dict[str, Any]] | None = None
+        self._warmup_notice = _wiring.WarmupNotice()
 
     @property
     def scape_optimizers(self) -> list[ScapeOptimizer]:
@@ -136,6 +137,8 @@ class ScapeStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _redirect_clipping(self.precision_plugin)
+            self._warmup_notice = _wiring.WarmupNotice()
+            self._warmup_notice.before_run(self.scape_config, _planned_steps(trainer))
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -286,6 +289,8 @@ class ScapeStrategy(DDPStrategy):
     def teardown(self) -> None:
         """Remove the engine's hooks and the clipping redirect, then DDP's teardown."""
         for opt in self.scape_optimizers:
+            if not self._failed:  # a fit whose length was not known at the start (early stopping, ...)
+                self._warmup_notice.after_run(opt.engine)
             opt.engine.close(wait=not self._failed)
         _restore_clipping(self.precision_plugin)
         super().teardown()
@@ -295,6 +300,14 @@ class ScapeStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
         _wiring.register_strategies(cls, strategy_registry)
+
+
+def _planned_steps(trainer: pl.Trainer) -> float | None:
+    """The optimizer steps the fit will take (``trainer.estimated_stepping_batches``), None if not known."""
+    try:
+        return float(trainer.estimated_stepping_batches)
+    except Exception:  # no train dataloader yet, an unsized one, ...: the notice then comes at the end
+        return None
 
 
 def _scape_clip_gradients(

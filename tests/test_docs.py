@@ -1,0 +1,78 @@
+"""docs/lightning.md opens with a Trainer and a Fabric example that run as written, and print what it shows.
+
+Every ```python block of the page whose first line is ``# NAME.py`` is saved as ``NAME.py`` and run with
+``python NAME.py`` (two CPU processes each, started by Lightning); the ```text block after it shows lines of
+its output, and the byte counts among them must be what the run printed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import PYTHON, child_env
+
+from lightning_scape.workloads import free_port
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "lightning.md"
+EXAMPLE = re.compile(r"```python\n(# (\w+\.py)[^\n]*\n.*?)```(.*?)```text\n(.*?)```", re.S)
+BYTES_LINE = re.compile(r"^(last step|whole run): sent ([\d,]+) bytes, DDP would send ([\d,]+)$", re.M)
+EXAMPLES = ("train_trainer.py", "train_fabric.py")
+
+
+def _examples() -> dict[str, tuple[str, str]]:
+    """Example name -> (its code, the output the page shows after it)."""
+    return {m.group(2): (m.group(1), m.group(4)) for m in EXAMPLE.finditer(DOC.read_text())}
+
+
+def test_the_page_opens_with_the_trainer_and_the_fabric_example() -> None:
+    text = DOC.read_text()
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[:2] == ["A first run with the Trainer", "A first run with Fabric"]
+    assert tuple(_examples()) == EXAMPLES
+    for code, _ in _examples().values():  # the default warm-up, in the first example a user reads
+        assert "dense_warmup_steps=100,  # the default" in code
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Both examples, started together (each mostly waits for its second process to start)."""
+    folder = tmp_path_factory.mktemp("doc_examples")
+    procs = {}
+    for name, (code, _) in _examples().items():
+        (folder / name).write_text(code)
+        env = child_env(MASTER_PORT=str(free_port()))
+        env.pop("PYTHONWARNINGS")  # a warm-up warning must show, if there were one
+        procs[name] = subprocess.Popen(
+            [PYTHON, name], cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_example_runs_and_prints_the_bytes_the_page_shows(
+    name: str, example_runs: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
+    run = example_runs[name]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # The byte lines the page shows are the ones the run printed, to the byte.
+    shown = [m.group(0) for m in BYTES_LINE.finditer(_examples()[name][1])]
+    assert [m.group(0) for m in BYTES_LINE.finditer(run.stdout)] == shown and len(shown) == 2, run.stdout
+    printed = {m.group(1): (int(m.group(2).replace(",", "")), int(m.group(3).replace(",", "")))
+               for m in BYTES_LINE.finditer(run.stdout)}  # fmt: skip
+    # DDP's 2 (W-1)/W N b for the 2,177 parameters, W = 2: per step, and over the 300 steps.
+    ddp_step = 2 * 1 * 2_177 * 4 // 2
+    assert printed["last step"][1] == ddp_step and printed["whole run"][1] == 300 * ddp_step
+    # A sparse step sends ~1% of the values with indices and parameters; the 100 warm-up steps send DDP's bytes
+    # (the chunks are sized to this small model, so no padding is sent).
+    assert printed["last step"][0] < ddp_step / 50
+    assert 100 * ddp_step < printed["whole run"][0] < 100 * ddp_step + 200 * ddp_step / 50
+    assert "then 1.01% of the coordinates per step (effective density; density=0.01)" in run.stderr
+    assert "dense_warmup_steps=" not in run.stderr.replace("(dense_warmup_steps)", "")  # no warm-up warning
