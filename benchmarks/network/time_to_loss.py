@@ -63,24 +63,28 @@ DDP = "ddp_adamw"  # the reference: its final validation loss is the target
 SCAPE = "scape_default_d0.01"  # the headline SCAPE method
 TARGET_FACTORS: tuple[float, ...] = (1.0, 1.05)
 
-# Batch and learning rate of benchmarks/quality.py (16 x 128 tokens per rank, AdamS/AdamW peak 3e-3, 20
-# ramp steps, cosine to 0): the settings the package's SCAPE defaults are tuned at, so the loss at equal
-# steps here is the one the quality benchmark measures. The step-time mode's 4 x 128 at 2e-3 gives train
-# losses that jump by 0.2 from step to step; a 4x larger batch quarters the gradient noise's variance.
-BATCH_SIZE = 16
+# 8 x 128 tokens per rank at peak 3e-3 (20 ramp steps, cosine to 0, AdamW/AdamS): the quality benchmark's
+# learning rate, and its batch of the options table (docs/benchmarks.md, Quality); at W = 4 the global batch,
+# 32 x 128, is benchmarks/quality.py's. The step-time mode's 4 x 128 at 2e-3 is noisy (train losses jump by
+# 0.2 from step to step); quality.py's 16 x 128 per rank doubles the compute of every step, which on this
+# machine halves the steps an hour holds for the base model (80 instead of 150 at 100 Mbit/s, measured), below
+# SCAPE's default dense warm-up of 100 steps. docs/benchmarks.md (Time to loss) has the measurements.
+BATCH_SIZE = 8
 BLOCK_SIZE = 128
 PEAK_LR = 3e-3
 LR_WARMUP = 20
 EVAL_BATCHES = 8  # 8 x 16 windows of 128 bytes: 16k validation tokens, the same windows for every method
-EVAL_POINTS = 20  # evaluations per run (plus the one before the first step) when --eval-every is not given
+EVAL_POINTS = 15  # evaluations per run (plus the one before the first step) when --eval-every is not given
 
-# Step budgets of `--steps auto`, by (model, world size, profile): sized so that one profile's command stays
-# under an hour on the 2-core VM of docs/benchmarks.md (see the sizing table there; round = one step of
-# every one of the 7 methods, evaluation included). The same budget for every profile of a model, so that
-# the target loss is the same on every link and only the time per step differs; the slowest link sets it.
-BUDGETS: dict[tuple[str, int], int] = {
-    ("base", 2): 300,
-    ("small", 4): 600,
+# `--steps auto`: (steps, eval_every) by (model, world size), sized so that the slowest profile's command stays
+# under an hour on the 2-core VM of docs/benchmarks.md at the pace measured there with 10-step runs (load
+# average 5-7 from other jobs): base W = 2 at 100 Mbit/s, 24.2 s a round while SCAPE is in its dense warm-up,
+# 13.6 s after, 18.4 s an evaluation of all 7 methods: 150 steps take about 57 min; small W = 4 at 100 Mbit/s,
+# 5.8 / 4.1 / 3.8 s: 750 steps about 55 min. The other links take 25-36 min. One budget for every link of a
+# model, so that the target loss is the same on every link and only the time per step differs.
+BUDGETS: dict[tuple[str, int], tuple[int, int]] = {
+    ("base", 2): (150, 10),
+    ("small", 4): (750, 50),
 }
 
 
@@ -670,7 +674,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--methods", default="all", help=f"comma list of 'all' and of {list(TTL_METHODS)}")
     ap.add_argument("--model", default="base", choices=list(MODEL_PRESETS), help="model preset")
     ap.add_argument("--world-size", type=int, default=2, help="ranks (hosts): 2 with base, 4 with small")
-    ap.add_argument("--steps", default="auto", help=f"step budget of every method; 'auto': {BUDGETS}")
+    ap.add_argument(
+        "--steps", default="auto", help=f"step budget of every method; 'auto': (steps, eval every) of {BUDGETS}"
+    )
     ap.add_argument("--eval-every", type=int, default=0, help=f"validate every N steps (0: steps / {EVAL_POINTS})")
     ap.add_argument("--eval-batches", type=int, default=EVAL_BATCHES, help="validation batches of 16 windows")
     ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="sequences per rank per step")
@@ -703,7 +709,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(
                 f"no sized budget for --model {ns.model} --world-size {ns.world_size} ({list(BUDGETS)}); give --steps N"
             )
-        ns.steps = BUDGETS[key]
+        ns.steps, auto_eval = BUDGETS[key]
+        ns.eval_every = ns.eval_every or auto_eval
     else:
         try:
             ns.steps = int(ns.steps)
