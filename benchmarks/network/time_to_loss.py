@@ -303,6 +303,7 @@ def summarize_ttl(ranks: list[dict[str, Any]], methods: list[str], emulated: boo
             key = _tkey(f)
             cross = time_to_target(pts, target)
             rc = ref_cross[f]
+            p[f"{key}_target"] = target
             p[f"{key}_reached"] = cross is not None
             p[f"{key}_time_s"] = _nan_if_none(cross and cross.time_s)
             p[f"{key}_steps"] = _nan_if_none(cross and cross.step)
@@ -370,10 +371,12 @@ def _secs(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
-def _time_cell(p: dict[str, Any], f: float) -> str:
+def _time_cell(p: dict[str, Any], f: float, short: bool = False) -> str:
+    """Seconds to the target and the multiple of DDP + AdamW's; not reached: the best loss and its gap."""
     key = _tkey(f)
     if not p[f"{key}_reached"]:
-        return f"not reached (best {p['min_val_loss']:.3f})"
+        gap = p["min_val_loss"] / p[f"{key}_target"] - 1
+        return f"not reached ({gap:+.1%})" if short else f"not reached (best {p['min_val_loss']:.4f}, {gap:+.2%})"
     return f"{_secs(p[f'{key}_time_s'])} s ({_fmt(p[f'{key}_time_vs_ddp'], '.2f')}x)"
 
 
@@ -505,7 +508,7 @@ def headline_table(runs: Sequence[dict[str, Any]]) -> list[str]:
                 f"{ddp['final_val_loss']:.3f}, {_secs(ddp['total_s'])} s",
             ]
             for m in present:
-                cells.append(_time_cell(per[m], 1.0) if m in per else "n/a")
+                cells.append(_time_cell(per[m], 1.0, short=True) if m in per else "n/a")
             reached = {n: p["to_1.00_time_s"] for n, p in per.items() if p["to_1.00_reached"]}
             best = min(reached, key=lambda n: reached[n]) if reached else None
             cells.append("none" if best is None else per[best]["label"])
@@ -593,7 +596,8 @@ def headline_markdown(runs: Sequence[dict[str, Any]]) -> list[str]:
     loop = any(not r["emulated"] for r in runs)
     md = [
         "Wall-clock to reach DDP + AdamW's final validation loss L* (after the same step budget), as seconds of "
-        "step time and a multiple of DDP + AdamW's own time to L*; every method trained the same model from "
+        "step time and a multiple of DDP + AdamW's own time to L* (not reached: the gap of the method's best "
+        "validation loss to L*); every method trained the same model from "
         "the same weights on the same batches, in lock-step rounds on one machine, each rank in its own network "
         "namespace behind a rate-limited link (`docs/benchmarks.md`, section Time to loss)."
         + (" **Some rows ran on LOOPBACK without any rate limit: not a network measurement.**" if loop else ""),
