@@ -233,7 +233,8 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
         assert per[name]["config"]["catch_up"] == ScapeConfig().catch_up  # the rest: package defaults
     md = (tmp_path / "results.md").read_text()
     assert "LOOPBACK, NO RATE LIMIT" in md and "Target L*" in md and "Sizing:" in md
-    assert "loopback, NO LIMIT" in (tmp_path / "headline.md").read_text()
+    headline = (tmp_path / "headline.md").read_text()
+    assert "loopback, NO LIMIT" in headline and "```bash" not in headline  # README keeps its two bash blocks
     with open(tmp_path / "curves.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 3 * len(TTL_METHODS)

@@ -604,11 +604,10 @@ def headline_markdown(runs: Sequence[dict[str, Any]]) -> list[str]:
         "",
         *headline_table(runs),
         "",
-        "Commands (as root):",
+        # Inline code, not a ```bash block: README.md holds exactly two of those (tests/test_readme.py).
+        "Commands (as root, one per row's profile):",
         "",
-        "```bash",
-        *[r["command"] for r in runs],
-        "```",
+        *[f"- `{r['command']}`" for r in runs],
         "",
         "Machine: " + "; ".join(sorted({machine_line(r).split("; load")[0] for r in runs})) + ".",
     ]
