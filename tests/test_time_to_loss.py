@@ -31,7 +31,7 @@ from benchmarks.network.time_to_loss import (  # noqa: E402
     summarize_ttl,
     time_to_target,
 )
-from benchmarks.network.worker import TTL_METHODS, WorkerSpec, ttl_scape_config  # noqa: E402
+from benchmarks.network.worker import TTL_METHODS, ttl_scape_config  # noqa: E402
 from lightning_scape import ScapeConfig  # noqa: E402
 
 # Three evaluations: loss 5 at 0 s, 3 at 5 s (step 2), 2 at 9 s (step 4); 10 bytes per step, 12 on the wire.
@@ -144,18 +144,22 @@ def test_summary_needs_the_reference() -> None:
 
 def test_scape_methods_take_the_package_defaults() -> None:
     """Only density and statistic are stated: every other field is ScapeConfig()'s at run time."""
-    spec = WorkerSpec([], 10, 2, "tiny", 2, 32, 1e-3, 0, 0, "/tmp", "lo")
     defaults = ScapeConfig().to_dict()
     for name, density, stat in (
         ("scape_default_d0.01", 0.01, "momentum"),
         ("scape_default_d0.1", 0.1, "momentum"),
         ("scape_default_gradient_d0.01", 0.01, "gradient"),
     ):
-        cfg = ttl_scape_config(name, spec).to_dict()
+        cfg = ttl_scape_config(name).to_dict()
         assert cfg == {**defaults, "density": density, "mask_statistic": stat}, name
-    bad = WorkerSpec([], 10, 2, "tiny", 2, 32, 1e-3, 0, 0, "/tmp", "lo", scape_overrides={"warmup": 3})
+    assert ttl_scape_config("scape_default_d0.1", 256, {"dense_warmup_steps": 3}).to_dict() == {
+        **defaults,
+        "density": 0.1,
+        "chunk_size": 256,
+        "dense_warmup_steps": 3,
+    }
     with pytest.raises(ValueError, match="not ScapeConfig fields"):
-        ttl_scape_config("scape_default_d0.01", bad)
+        ttl_scape_config("scape_default_d0.01", 0, {"warmup": 3})
 
 
 def test_command_line_budget_and_methods() -> None:

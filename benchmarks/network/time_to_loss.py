@@ -55,7 +55,7 @@ from benchmarks.network.netns import (
     signals_raise,
 )
 from benchmarks.network.run import launch_workers, machine_description
-from benchmarks.network.worker import METHOD_LABELS, TTL_METHODS, TTL_SCAPE_METHODS, WorkerSpec
+from benchmarks.network.worker import METHOD_LABELS, TTL_METHODS, TTL_SCAPE_METHODS, WorkerSpec, ttl_scape_config
 from lightning_scape import ScapeConfig
 from lightning_scape.workloads import MODEL_PRESETS
 
@@ -211,10 +211,6 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def _nan_if_none(x: float | None) -> float:
-    return math.nan if x is None else x
-
-
 # ------------------------------------------------------------------------------------------- the summary
 
 
@@ -305,10 +301,9 @@ def summarize_ttl(ranks: list[dict[str, Any]], methods: list[str], emulated: boo
             rc = ref_cross[f]
             p[f"{key}_target"] = target
             p[f"{key}_reached"] = cross is not None
-            p[f"{key}_time_s"] = _nan_if_none(cross and cross.time_s)
-            p[f"{key}_steps"] = _nan_if_none(cross and cross.step)
-            p[f"{key}_sent_bytes"] = _nan_if_none(cross and cross.sent_bytes)
-            p[f"{key}_tx_bytes"] = _nan_if_none(cross and cross.tx_bytes)
+            at = (cross.time_s, cross.step, cross.sent_bytes, cross.tx_bytes) if cross else (math.nan,) * 4
+            for field_name, v in zip(("time_s", "steps", "sent_bytes", "tx_bytes"), at, strict=True):
+                p[f"{key}_{field_name}"] = v
             if cross is not None and rc is not None and rc.time_s > 0 and rc.step > 0 and cross.step > 0:
                 # time ratio = steps ratio x (seconds per step up to the target) ratio: what the time goes to.
                 p[f"{key}_time_vs_ddp"] = cross.time_s / rc.time_s
@@ -335,7 +330,8 @@ def summarize_ttl(ranks: list[dict[str, Any]], methods: list[str], emulated: boo
         # Rank 0's whole rounds and evaluations (barriers included), for sizing budgets: see sizing_line.
         "round_s_mean": _mean(rounds),
         "round_s_median": statistics.median(rounds) if rounds else math.nan,
-        "eval_round_s_mean": _mean(evals),
+        # The evaluation before the first step is one method's (they share their weights): not a full one.
+        "eval_round_s_mean": _mean(evals[1:] or evals),
         "evaluations": len(evals),
         "setup_s": r0.get("setup_s", math.nan),
         "targets": {str(f): t for f, t in targets.items()},
@@ -393,7 +389,7 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
         "",
         f"{rate}; measured TCP goodput rank 0 -> 1: {_fmt(tput / 1e6 if tput else math.nan, '.0f')} Mbit/s. "
         f"{prof['steps']} steps of W x {prof['batch_size']} x {prof['block_size']} tokens, validation every "
-        f"{prof['eval_every']} steps; profile wall-clock {prof['wall_s'] / 60:.0f} min (evaluations included).",
+        f"{prof['eval_every']} steps; profile wall-clock {prof['wall_s'] / 60:.1f} min (evaluations included).",
         f"Target L* = DDP + AdamW's final validation loss = **{t1:.4f}**; 1.05 L* = {t105:.4f}. "
         f"DDP + AdamW's run: {_secs(s['ddp_total_s'])} s; the fastest run: {fastest}, "
         f"{_secs(s['fastest_total_s'])} s.",
@@ -464,8 +460,10 @@ def sizing_line(prof: dict[str, Any]) -> str:
 def scape_config_lines(per: dict[str, dict[str, Any]]) -> list[str]:
     """What the SCAPE rows ran with (the package's defaults at run time) and PowerSGD's vanilla phase."""
     lines = []
-    fields = ("density", "dense_warmup_steps", "density_ramp_steps", "density_ramp_shape", "mask_statistic")
-    fields += ("catch_up", "catch_up_cap", "exploration", "chunk_size", "sharded")
+    fields = (
+        *("density", "dense_warmup_steps", "density_ramp_steps", "density_ramp_shape", "mask_statistic"),
+        *("catch_up", "catch_up_cap", "exploration", "chunk_size", "sharded"),
+    )
     for p in per.values():
         cfg = p.get("config")
         if cfg:
@@ -765,7 +763,7 @@ def warn_about_budget(steps: int, methods: list[str], overrides: dict[str, Any],
     for name in methods:
         if name not in TTL_SCAPE_METHODS:
             continue
-        cfg = ScapeConfig(**({"chunk_size": chunk_size} if chunk_size else {})).replace(**overrides)
+        cfg = ttl_scape_config(name, chunk_size, overrides)  # what the workers will build
         dense = cfg.dense_warmup_steps + cfg.density_ramp_steps
         if dense >= steps:
             warnings.append(

@@ -358,28 +358,29 @@ class DDPMethod(Method):
         return 2 * (w - 1) * n * b // w
 
 
-def ttl_scape_config(name: str, spec: WorkerSpec) -> ScapeConfig:
+def ttl_scape_config(name: str, chunk_size: int = 0, overrides: dict[str, Any] | None = None) -> ScapeConfig:
     """The configuration of a time-to-loss SCAPE method: the package's defaults, read now.
 
     Only the density (0.01 or 0.1, from the name) and, for ``scape_default_gradient_d0.01``, the statistic
-    are stated; ``spec.chunk_size`` (0: the default) and ``spec.scape_overrides`` (smoke tests) are applied
-    when given.
+    are stated; ``chunk_size`` (0: the default) and ``overrides`` (``--scape-set``, for smoke tests) are
+    applied when given.
 
     Raises:
         ValueError: ``name`` is not one of :data:`TTL_SCAPE_METHODS`, or an override is not a ScapeConfig field.
     """
     if name not in TTL_SCAPE_METHODS:
         raise ValueError(f"{name!r} is not a time-to-loss SCAPE method; choose one of {TTL_SCAPE_METHODS}.")
-    changes: dict[str, Any] = {"density": 0.1 if name.endswith("d0.1") else 0.01}
+    cfg = ScapeConfig(density=0.1 if name.endswith("d0.1") else 0.01)
     if "gradient" in name:
-        changes["mask_statistic"] = "gradient"
-    if spec.chunk_size:
-        changes["chunk_size"] = spec.chunk_size
-    fields = sorted(ScapeConfig().to_dict())
-    unknown = sorted(set(spec.scape_overrides) - set(fields))
+        cfg = cfg.replace(mask_statistic="gradient")
+    if chunk_size:
+        cfg = cfg.replace(chunk_size=chunk_size)
+    overrides = overrides or {}
+    fields = sorted(cfg.to_dict())
+    unknown = sorted(set(overrides) - set(fields))
     if unknown:
         raise ValueError(f"--scape-set names {unknown}, which are not ScapeConfig fields; choose from {fields}.")
-    return ScapeConfig(**changes).replace(**spec.scape_overrides)
+    return cfg.replace(**overrides)
 
 
 class ScapeMethod(Method):
@@ -391,7 +392,7 @@ class ScapeMethod(Method):
         self.model = build_model(spec.block_size, preset=spec.model, seed=spec.seed)
         density = 0.01 if "d0.01" in name else 0.1
         if name in TTL_SCAPE_METHODS:
-            self.config = ttl_scape_config(name, spec)
+            self.config = ttl_scape_config(name, spec.chunk_size, spec.scape_overrides)
         else:
             self.config = ScapeConfig(
                 density=density,
