@@ -60,7 +60,6 @@ from lightning_scape import ScapeConfig
 from lightning_scape.workloads import MODEL_PRESETS
 
 DDP = "ddp_adamw"  # the reference: its final validation loss is the target
-SCAPE = "scape_default_d0.01"  # the headline SCAPE method
 TARGET_FACTORS: tuple[float, ...] = (1.0, 1.05)
 
 # 8 x 128 tokens per rank at peak 3e-3 (20 ramp steps, cosine to 0, AdamW/AdamS): the quality benchmark's
