@@ -32,12 +32,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 from benchmarks.network.netns import (
     PROFILES,
     EmulatedNetwork,
+    Host,
     LoopbackNetwork,
     Network,
     cleanup_stale,
@@ -138,26 +140,52 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 def run_profile(net: Network, args: argparse.Namespace, methods: list[str], prof_dir: str) -> dict[str, Any]:
     """Start one worker per host of ``net`` (set up), wait for them, return their per-rank records."""
+
+    def spec_for(h: Host) -> WorkerSpec:
+        return WorkerSpec(
+            methods=methods,
+            steps=args.steps,
+            warmup=args.warmup,
+            model=args.model,
+            batch_size=args.batch_size,
+            block_size=args.block_size,
+            lr=args.lr,
+            chunk_size=args.chunk_size,
+            max_bytes=args.max_bytes,
+            out_dir=prof_dir,
+            ifname=h.ifname,
+            timeout_s=args.timeout_s,
+        )
+
+    return launch_workers(net, spec_for, prof_dir, args.timeout_s)
+
+
+def launch_workers(
+    net: Network, spec_for: Callable[[Host], WorkerSpec], prof_dir: str, timeout_s: float
+) -> dict[str, Any]:
+    """Start one worker per host of ``net`` (set up) with ``spec_for(host)``, wait, return their records.
+
+    Args:
+        net: The network, set up.
+        spec_for: The worker spec of a host (``out_dir`` must be ``prof_dir``).
+        prof_dir: Where the specs, logs and the workers' ``rank<r>.json`` go.
+        timeout_s: Give up (and stop the workers) after this many seconds.
+
+    Returns:
+        ``ranks`` (the workers' records, by rank) and ``qdisc`` (the shapers' counters).
+
+    Raises:
+        RuntimeError: A worker failed (the message holds the tail of every rank's log).
+        TimeoutError: The workers ran longer than ``timeout_s``.
+    """
     os.makedirs(prof_dir, exist_ok=True)
     port = 29500 if net.emulated else free_port()
+    world_size = len(net.hosts)
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[str] = []
     try:
         for h in net.hosts:
-            spec = WorkerSpec(
-                methods=methods,
-                steps=args.steps,
-                warmup=args.warmup,
-                model=args.model,
-                batch_size=args.batch_size,
-                block_size=args.block_size,
-                lr=args.lr,
-                chunk_size=args.chunk_size,
-                max_bytes=args.max_bytes,
-                out_dir=prof_dir,
-                ifname=h.ifname,
-                timeout_s=args.timeout_s,
-            )
+            spec = spec_for(h)
             spec_path = os.path.join(prof_dir, f"spec_rank{h.rank}.json")
             with open(spec_path, "w") as fh:
                 json.dump(asdict(spec), fh, indent=1)
@@ -166,7 +194,7 @@ def run_profile(net: Network, args: argparse.Namespace, methods: list[str], prof
                 "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "MASTER_ADDR": net.master_addr,
                 "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(args.world_size),
+                "WORLD_SIZE": str(world_size),
                 "RANK": str(h.rank),
                 "NODE_RANK": str(h.rank),
                 "GROUP_RANK": str(h.rank),
@@ -191,7 +219,7 @@ def run_profile(net: Network, args: argparse.Namespace, methods: list[str], prof
                         preexec_fn=_die_with_parent,
                     )
                 )
-        deadline = time.time() + args.timeout_s
+        deadline = time.time() + timeout_s
         while True:
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
@@ -202,7 +230,7 @@ def run_profile(net: Network, args: argparse.Namespace, methods: list[str], prof
                 break
             if time.time() > deadline:
                 raise TimeoutError(
-                    f"workers still running after --timeout-s {args.timeout_s:.0f} s; raise it, or lower "
+                    f"workers still running after --timeout-s {timeout_s:.0f} s; raise it, or lower "
                     f"--steps (logs: {prof_dir})."
                 )
             time.sleep(0.2)

@@ -7,13 +7,18 @@ each of them takes one optimizer step on the same batch, in an order that rotate
 with a barrier before each (outside the clock). Machine noise, which on a shared 2-core machine is
 large, therefore hits every method alike; medians are taken over steps.
 
+With ``WorkerSpec.eval_every`` > 0 (the time-to-loss mode, ``benchmarks.network.time_to_loss``) every
+method is also evaluated on the same fixed validation batches before the first step, every
+``eval_every`` steps and after the last, in the same round, outside the clock.
+
 Per method and step the worker records: the loss; the step time (forward, backward, optimizer step and,
 for SCAPE, the wait for the next mask's all-gather, which in a run of one method alone would overlap
 the next forward pass and here must not overlap another method's step); the bytes the package's
 ``ByteCounters`` count (SCAPE: the engine's own; DDP: its hooks' ``torch.distributed.all_reduce`` calls,
-counted with the same ring formula); and the rank's interface counters (``tx_bytes``/``rx_bytes`` under
-``/sys/class/net``, which ``ip netns exec`` shows for the namespace); and the time from the last
-gradient being ready to the return of ``backward()`` (DDP waits for its buckets there).
+counted with the same ring formula); the rank's interface counters (``tx_bytes``/``rx_bytes`` under
+``/sys/class/net``, which ``ip netns exec`` shows for the namespace, read before the step and after a
+barrier that follows it); and the time from the last gradient being ready to the return of ``backward()``
+(DDP waits for its buckets there).
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ from lightning_scape.comm import KIND_DENSE, ByteCounters
 from lightning_scape.workloads import (
     build_model,
     corpus_tokens,
+    cosine_lr,
     lm_loss,
     sample_batch,
+    validation_batch_losses,
     weight_decay_groups,
 )
 
@@ -66,7 +73,12 @@ ALL_METHODS: tuple[str, ...] = (COMPUTE_ONLY, *DDP_METHODS, *SCAPE_METHODS)
 # exactly that all-to-all on gloo, so this is scape_sharded_d0.01 under its old name, kept so that the
 # documented commands still run.
 A2A_METHOD = "scape_sharded_d0.01_a2a"
-EXTRA_METHODS: tuple[str, ...] = (A2A_METHOD,)
+# The time-to-loss mode's SCAPE methods: ScapeConfig() with only the density (and the statistic) stated, so
+# that the dense warm-up, density ramp and update rule are whatever the package's defaults are when the run
+# starts (they are recorded with every run). The methods above pin dense_warmup_steps to the harness's warm-up.
+TTL_SCAPE_METHODS: tuple[str, ...] = ("scape_default_d0.01", "scape_default_d0.1", "scape_default_gradient_d0.01")
+TTL_METHODS: tuple[str, ...] = (*DDP_METHODS, *TTL_SCAPE_METHODS)
+EXTRA_METHODS: tuple[str, ...] = (A2A_METHOD, *TTL_SCAPE_METHODS)
 METHOD_LABELS: dict[str, str] = {
     COMPUTE_ONLY: "compute only (W=1, AdamW)",
     "ddp_adamw": "DDP + AdamW",
@@ -79,7 +91,14 @@ METHOD_LABELS: dict[str, str] = {
     "scape_replicated_d0.01": "SCAPE replicated d=0.01",
     "scape_gradient_d0.01": "SCAPE gradient-stat d=0.01",
     A2A_METHOD: "SCAPE sharded d=0.01, all-to-all reduce-scatter",
+    "scape_default_d0.01": "SCAPE defaults (d=0.01)",
+    "scape_default_d0.1": "SCAPE defaults, d=0.1",
+    "scape_default_gradient_d0.01": "SCAPE defaults, gradient statistic",
 }
+# WorkerSpec.schedule: the network benchmark's "warmup_cosine_floor" (linear warm-up, cosine to 10% of the
+# peak: lr_at) or workloads.cosine_lr, "cosine" (ramp times a cosine to 0 at the last step: the quality
+# benchmark's, and the time-to-loss mode's).
+SCHEDULES: tuple[str, ...] = ("warmup_cosine_floor", "cosine")
 POWERSGD_RANK = 4
 # One bucket cap for DDP and SCAPE (SCAPE's default, DDP's nominal default). Passed to DDP explicitly, which
 # also drops DDP's extra 1 MiB first bucket: with two buckets, PowerSGD's per-bucket callback chains issue
@@ -106,6 +125,11 @@ class WorkerSpec:
     timeout_s: float = 600.0
     max_grad_norm: float = 1.0
     seed: int = 0
+    schedule: str = "warmup_cosine_floor"
+    eval_every: int = 0  # 0: no validation (the step-time mode)
+    eval_batches: int = 8  # batches of 16 windows of workloads.validation_batch_losses
+    corpus: str = "stdlib"
+    scape_overrides: dict[str, Any] = field(default_factory=dict)  # ScapeConfig fields set on every TTL SCAPE method
 
 
 @dataclass
@@ -122,10 +146,22 @@ class MethodRecord:
     sent_by_kind: list[dict[str, int]] = field(default_factory=list)
     tx: list[int] = field(default_factory=list)
     rx: list[int] = field(default_factory=list)
+    val_step: list[int] = field(default_factory=list)  # steps done when evaluated (0: before the first)
+    val_loss: list[float] = field(default_factory=list)  # mean over the fixed validation batches
+    eval_s: list[float] = field(default_factory=list)  # this rank's evaluation time (outside the clock)
 
 
 def lr_at(step: int, spec: WorkerSpec) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine to 10% of the peak."""
+    """The learning rate of step ``step`` (from 0) under ``spec.schedule``.
+
+    ``"warmup_cosine_floor"``: linear warm-up over ``warmup`` steps, then cosine to 10% of the peak.
+    ``"cosine"``: :func:`lightning_scape.workloads.cosine_lr` (ramp over ``warmup`` steps times a cosine from
+    the peak to 0 at ``steps``), the quality benchmark's schedule.
+    """
+    if spec.schedule == "cosine":
+        return cosine_lr(step, spec.steps, spec.lr, max(1, spec.warmup))
+    if spec.schedule != "warmup_cosine_floor":
+        raise ValueError(f"unknown schedule {spec.schedule!r}; choose one of {SCHEDULES}.")
     if step < spec.warmup:
         return spec.lr * (step + 1) / spec.warmup
     frac = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
@@ -322,6 +358,31 @@ class DDPMethod(Method):
         return 2 * (w - 1) * n * b // w
 
 
+def ttl_scape_config(name: str, chunk_size: int = 0, overrides: dict[str, Any] | None = None) -> ScapeConfig:
+    """The configuration of a time-to-loss SCAPE method: the package's defaults, read now.
+
+    Only the density (0.01 or 0.1, from the name) and, for ``scape_default_gradient_d0.01``, the statistic
+    are stated; ``chunk_size`` (0: the default) and ``overrides`` (``--scape-set``, for smoke tests) are
+    applied when given.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`TTL_SCAPE_METHODS`, or an override is not a ScapeConfig field.
+    """
+    if name not in TTL_SCAPE_METHODS:
+        raise ValueError(f"{name!r} is not a time-to-loss SCAPE method; choose one of {TTL_SCAPE_METHODS}.")
+    cfg = ScapeConfig(density=0.1 if name.endswith("d0.1") else 0.01)
+    if "gradient" in name:
+        cfg = cfg.replace(mask_statistic="gradient")
+    if chunk_size:
+        cfg = cfg.replace(chunk_size=chunk_size)
+    overrides = overrides or {}
+    fields = sorted(cfg.to_dict())
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"--scape-set names {unknown}, which are not ScapeConfig fields; choose from {fields}.")
+    return cfg.replace(**overrides)
+
+
 class ScapeMethod(Method):
     """The package's ``ScapeEngine`` over ``ProcessGroupCommunicator`` (the default gloo group)."""
 
@@ -330,14 +391,17 @@ class ScapeMethod(Method):
         self.world_size = world_size
         self.model = build_model(spec.block_size, preset=spec.model, seed=spec.seed)
         density = 0.01 if "d0.01" in name else 0.1
-        self.config = ScapeConfig(
-            density=density,
-            chunk_size=spec.chunk_size,
-            sharded=not name.startswith("scape_replicated"),
-            dense_warmup_steps=spec.warmup,
-            mask_statistic="gradient" if name.startswith("scape_gradient") else "momentum",
-            bucket_cap_mb=BUCKET_CAP_MB,
-        )
+        if name in TTL_SCAPE_METHODS:
+            self.config = ttl_scape_config(name, spec.chunk_size, spec.scape_overrides)
+        else:
+            self.config = ScapeConfig(
+                density=density,
+                chunk_size=spec.chunk_size,
+                sharded=not name.startswith("scape_replicated"),
+                dense_warmup_steps=spec.warmup,
+                mask_statistic="gradient" if name.startswith("scape_gradient") else "momentum",
+                bucket_cap_mb=BUCKET_CAP_MB,
+            )
         self.opt = AdamS(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
         self.engine = ScapeEngine(
             self.opt,
@@ -378,6 +442,24 @@ def make_method(name: str, spec: WorkerSpec, world_size: int) -> Method:
     raise ValueError(f"unknown method {name!r}; choose from {[*ALL_METHODS, *EXTRA_METHODS]}.")
 
 
+def validation_loss_distributed(model: nn.Module, val: Tensor, spec: WorkerSpec, rank: int, world_size: int) -> float:
+    """Mean loss on ``spec.eval_batches`` fixed validation batches, the batches shared out over the ranks.
+
+    Every rank evaluates its own replica (identical on every rank after a step, for DDP and SCAPE alike) on
+    batches ``rank``, ``rank + W``, ... of :func:`lightning_scape.workloads.validation_batch_losses`; one
+    all-reduce of the per-batch losses (outside every byte counter: no counter is active here, and the
+    interface counters are read around steps only) gives every rank the mean over all batches.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        part = validation_batch_losses(model, val, spec.block_size, spec.eval_batches, rank, world_size)
+    finally:
+        model.train(was_training)
+    dist.all_reduce(part)
+    return float(part.sum()) / spec.eval_batches
+
+
 def read_iface(ifname: str) -> tuple[int, int]:
     """(tx_bytes, rx_bytes) of an interface of this network namespace."""
     base = f"/sys/class/net/{ifname}/statistics"
@@ -387,14 +469,49 @@ def read_iface(ifname: str) -> tuple[int, int]:
 
 def run(spec: WorkerSpec) -> dict[str, Any]:
     """Train every method of ``spec`` on this rank; returns the per-step records and static facts."""
+    t_setup = time.perf_counter()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     dist.all_reduce = _COUNTER  # count DDP hooks' traffic (see _AllReduceCounter)
-    tokens, _ = corpus_tokens("stdlib", spec.max_bytes)  # the train split of the first max_bytes of stdlib source
+    if spec.corpus not in ("stdlib", "prose"):
+        raise ValueError(f"unknown corpus {spec.corpus!r}; choose 'stdlib' or 'prose'.")
+    # The train and validation splits (by file) of the first max_bytes (0: all) of the corpus.
+    tokens, val_tokens = corpus_tokens("prose" if spec.corpus == "prose" else "stdlib", spec.max_bytes or None)
     methods = [make_method(name, spec, world_size) for name in spec.methods]
     records = {m.name: MethodRecord() for m in methods}
     gen = torch.Generator().manual_seed(1234 + rank)
     t_start = time.perf_counter()
+
+    round_s: list[float] = []  # whole rounds (every method's step, barriers included): for sizing budgets
+    eval_round_s: list[float] = []  # whole evaluations of every method
+
+    def evaluate_all(done: int) -> None:
+        # Outside the clock, between rounds: the next step's barrier starts a fresh clock.
+        t_eval = time.perf_counter()
+        first: float | None = None
+        for m in methods:
+            t0 = time.perf_counter()
+            if done == 0 and first is not None:
+                # Before the first step every method holds the same weights (built from one seed; DDP and the
+                # engine also start from rank 0's): one evaluation serves all (one round of 7 took 26 s here).
+                loss = first
+            else:
+                loss = validation_loss_distributed(m.model, val_tokens, spec, rank, world_size)
+                first = loss
+            rec = records[m.name]
+            rec.val_step.append(done)
+            rec.val_loss.append(loss)
+            rec.eval_s.append(time.perf_counter() - t0)
+        eval_round_s.append(time.perf_counter() - t_eval)
+        if rank == 0:
+            print(
+                f"    val @ {done:4d}  " + "  ".join(f"{m.name} {records[m.name].val_loss[-1]:.3f}" for m in methods),
+                flush=True,
+            )
+
+    if spec.eval_every > 0:
+        evaluate_all(0)
     for step in range(spec.steps):
+        t_round = time.perf_counter()
         x, y = sample_batch(tokens, gen, spec.batch_size, spec.block_size)
         lr = lr_at(step, spec)
         k = step % len(methods)
@@ -404,6 +521,12 @@ def run(spec: WorkerSpec) -> dict[str, Any]:
             t0 = time.perf_counter()
             st = m.train_step(x, y, lr)
             dt = time.perf_counter() - t0
+            # Outside the clock: once every rank has finished the step, the peers hold every byte this rank
+            # sent for it, so all of it has left the interface. Read at once instead, the interface missed
+            # what still sat in the socket and the shaper's queue, and no step counted it: up to 0.8 MB of
+            # SCAPE's 3.5 MB dense warm-up step at 100 Mbit/s (small model, W = 2, measured). The barrier's
+            # own few hundred bytes are counted in the step.
+            dist.barrier()
             tx1, rx1 = read_iface(spec.ifname)
             rec = records[m.name]
             rec.loss.append(st.loss)
@@ -416,6 +539,9 @@ def run(spec: WorkerSpec) -> dict[str, Any]:
             rec.sent_by_kind.append({} if m.counters is None else dict(m.counters.step_sent))
             rec.tx.append(tx1 - tx0)
             rec.rx.append(rx1 - rx0)
+        round_s.append(time.perf_counter() - t_round)
+        if spec.eval_every > 0 and ((step + 1) % spec.eval_every == 0 or step + 1 == spec.steps):
+            evaluate_all(step + 1)
         if rank == 0 and (step % 10 == 0 or step == spec.steps - 1):
             print(
                 f"    step {step + 1:4d}/{spec.steps}  "
@@ -430,11 +556,16 @@ def run(spec: WorkerSpec) -> dict[str, Any]:
         "params": sum(p.numel() for p in methods[0].model.parameters()),
         "methods": {},
         "loadavg_end": os.getloadavg(),
+        "setup_s": t_start - t_setup,
+        "round_s": round_s,
+        "eval_round_s": eval_round_s,
     }
     for m in methods:
         info: dict[str, Any] = {"formula_bytes": m.formula_bytes(), **asdict(records[m.name])}
         if isinstance(m, DDPMethod):
             info["ddp_bucket_bytes"] = m.ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes")
+            if m.name == "ddp_powersgd":
+                info["powersgd"] = {"rank": POWERSGD_RANK, "start_powerSGD_iter": max(2, spec.warmup)}
         if isinstance(m, ScapeMethod):
             info["buckets"] = len(m.engine.buckets)
             info["slots"] = m.engine.slots
