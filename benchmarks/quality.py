@@ -4,10 +4,13 @@ One command per table of ``docs/benchmarks.md`` (section Quality); run them one 
 runs side by side slow each other down):
 
     python benchmarks/quality.py --table headline      # defaults vs dense: 1000 steps, 2 corpora, 2 seeds
-    python benchmarks/quality.py --table horizons      # defaults vs dense: 300 and 3000 steps
-    python benchmarks/quality.py --table options       # every option against the defaults: 300 steps
-    python benchmarks/quality.py --table schedule      # warm-up and density ramp: 1000 steps
-    python benchmarks/quality.py --table scale         # a 5x larger model and a 4x larger batch: 1000 steps
+    python benchmarks/quality.py --table horizons      # defaults vs dense: 300 steps, 2 corpora, 2 seeds
+    python benchmarks/quality.py --table long          # defaults vs dense: 3000 steps, 2 corpora
+    python benchmarks/quality.py --table catch_up      # catch_up_cap: 1000 steps
+    python benchmarks/quality.py --table schedule      # dense warm-up and density ramp: 1000 steps
+    python benchmarks/quality.py --table mask          # statistic, exploration, replicated mode: 1000 steps
+    python benchmarks/quality.py --table density       # density 0.02, 0.04, 0.1: 1000 steps
+    python benchmarks/quality.py --table scale         # a 5.7x larger model, a 4x larger batch: 1000 steps
 
 or any set of runs: ``--configs dense,default --corpora stdlib --steps 300 --seeds 0``.
 
@@ -65,18 +68,40 @@ EVAL_BATCHES = 16  # 16 x 16 windows of 128 bytes: 32k validation tokens, the sa
 CONFIGS: dict[str, dict[str, Any]] = {
     DENSE: {"sharded": False, "dense_warmup_steps": 10**9},
     "default": {},
+    # The schedule: the dense warm-up and the density ramp after it.
+    "no_ramp": {"density_ramp_steps": 0},
+    "ramp100": {"density_ramp_steps": 100},
+    "ramp400": {"density_ramp_steps": 400},
+    "ramp_linear": {"density_ramp_shape": "linear"},
+    "warmup50": {"dense_warmup_steps": 50},
+    "warmup200": {"dense_warmup_steps": 200},
+    # How far a coordinate catches up at once (steps at the peak learning rate).
+    "cap8": {"catch_up_cap": 8.0},
+    "cap32": {"catch_up_cap": 32.0},
+    "cap64": {"catch_up_cap": 64.0},
+    "no_cap": {"catch_up_cap": 1e9},
+    # The mask.
+    "gradient_stat": {"mask_statistic": "gradient"},
+    "random_stat": {"mask_statistic": "random"},
+    "explore0": {"exploration": 0.0},
+    "explore0.3": {"exploration": 0.3},
+    # Density and mode.
+    "d0.02": {"density": 0.02},
+    "d0.04": {"density": 0.04},
     "d0.1": {"density": 0.1},
+    "replicated": {"sharded": False},
 }
-
-# The tables of docs/benchmarks.md: (configurations, corpora, steps, seeds, model preset, batch).
+# The tables of docs/benchmarks.md: (configurations, corpora, steps, seeds, model preset, batch per rank). Runs
+# that several tables share (dense and default at 1000 steps) are trained once: the runs file holds them.
+_STD = (["stdlib"], 1000, [0], "small", 16)
 TABLES: dict[str, list[tuple[list[str], list[str], int, list[int], str, int]]] = {
     "headline": [([DENSE, "default"], ["stdlib", "prose"], 1000, [0, 1], "small", 16)],
-    "horizons": [
-        ([DENSE, "default"], ["stdlib", "prose"], 300, [0, 1], "small", 16),
-        ([DENSE, "default"], ["stdlib", "prose"], 3000, [0], "small", 16),
-    ],
-    "options": [([DENSE, "default", "d0.1"], ["stdlib"], 300, [0], "small", 16)],
-    "schedule": [([DENSE, "default"], ["stdlib"], 1000, [0], "small", 16)],
+    "horizons": [([DENSE, "default"], ["stdlib", "prose"], 300, [0, 1], "small", 16)],
+    "long": [([DENSE, "default"], ["stdlib", "prose"], 3000, [0], "small", 16)],
+    "catch_up": [([DENSE, "default", "no_cap", "cap8", "cap32", "cap64"], *_STD)],
+    "schedule": [([DENSE, "default", "no_ramp", "ramp100", "ramp400", "ramp_linear", "warmup50", "warmup200"], *_STD)],
+    "mask": [([DENSE, "default", "gradient_stat", "random_stat", "explore0", "explore0.3", "replicated"], *_STD)],
+    "density": [([DENSE, "default", "d0.02", "d0.04", "d0.1"], *_STD)],
     "scale": [
         ([DENSE, "default"], ["stdlib"], 1000, [0], "base", 16),
         ([DENSE, "default"], ["stdlib"], 1000, [0], "small", 64),
@@ -249,16 +274,23 @@ HEADER = [
 
 
 def write_report(out: str, done: dict[str, dict[str, Any]]) -> str:
-    """``quality.md``, ``curves.csv`` and one plot per (corpus, steps) from every finished run."""
-    runs = [Run(**{k: rec[k] for k in Run.__dataclass_fields__}) for rec in done.values()]
+    """``quality.md`` (one table per table of :data:`TABLES` with finished runs), ``curves.csv`` and the plots."""
     lines = [
         f"W = {WORLD_SIZE} (simulated), 128-byte sequences, AdamS, cosine LR peak {PEAK_LR}, clip {CLIP}; "
         "'vs dense': final validation loss over dense AdamS's with the same seed (mean ± spread over seeds); "
         "bytes: rank 0's, over what DDP's all-reduce of the same gradients sends.",
-        "",
-        *HEADER,
-        *table_rows(runs, done),
     ]
+    in_tables: set[str] = set()
+    for name in TABLES:
+        runs = planned(name, argparse.Namespace())
+        in_tables.update(r.key for r in runs)
+        rows = table_rows(runs, done)
+        if rows:
+            lines += ["", f"### {name} (`python benchmarks/quality.py --table {name}`)", "", *HEADER, *rows]
+    others = [Run(**{k: rec[k] for k in Run.__dataclass_fields__}) for key, rec in done.items() if key not in in_tables]
+    rows = table_rows(others, done)
+    if rows:
+        lines += ["", "### other runs", "", *HEADER, *rows]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "quality.md"), "w") as f:
         f.write(text)
@@ -274,34 +306,38 @@ def write_report(out: str, done: dict[str, dict[str, Any]]) -> str:
 
 
 def plot(out: str, done: dict[str, dict[str, Any]]) -> None:
-    """Validation loss against step and against cumulative bytes, one figure per (corpus, steps, model, batch)."""
+    """Validation loss against step and against cumulative bytes: ``<table>_<corpus>_<steps>[...].png``."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)")
         return
-    figures: dict[tuple[str, int, str, int], list[dict[str, Any]]] = {}
-    for rec in done.values():
-        figures.setdefault((rec["corpus"], rec["steps"], rec["model"], rec["batch"]), []).append(rec)
-    for (corpus, steps, model, batch), recs in figures.items():
-        fig = Figure(figsize=(13, 4.8), layout="constrained")
-        by_step, by_bytes = fig.subplots(1, 2)
-        names = sorted({r["config"] for r in recs}, key=lambda n: (n != DENSE, n))
-        colors = {n: f"C{i}" for i, n in enumerate(names)}
-        for rec in sorted(recs, key=lambda r: (r["config"], r["seed"])):
-            steps_, vals, sent = zip(*rec["curve"], strict=True)
-            style = {"color": colors[rec["config"]], "lw": 2.2 if rec["config"] == DENSE else 1.2,
-                     "ls": "-" if rec["seed"] == 0 else "--"}  # fmt: skip
-            label = f"{rec['config']} (seed {rec['seed']})"
-            by_step.plot(steps_, vals, label=label, **style)
-            by_bytes.plot(sent, vals, label=label, **style)
-        by_step.set(xlabel="step", ylabel="validation loss (nats/byte)", title=f"{corpus}, {steps} steps")
-        by_bytes.set(xlabel="bytes sent by rank 0 (cumulative)", xscale="log", title="against bytes sent")
-        for ax in (by_step, by_bytes):
-            ax.grid(alpha=0.3)
-        by_step.legend(fontsize=7)
-        suffix = "" if (model, batch) == ("small", 16) else f"_{model}_b{batch}"
-        fig.savefig(os.path.join(out, f"{corpus}_{steps}{suffix}.png"), dpi=110)
+    for table in TABLES:
+        figures: dict[tuple[str, int, str, int], list[dict[str, Any]]] = {}
+        for run in planned(table, argparse.Namespace()):
+            if run.key in done:
+                figures.setdefault((run.corpus, run.steps, run.model, run.batch), []).append(done[run.key])
+        for (corpus, steps, model, batch), recs in figures.items():
+            fig = Figure(figsize=(13, 4.8), layout="constrained")
+            by_step, by_bytes = fig.subplots(1, 2)
+            names = list(dict.fromkeys(r["config"] for r in recs))
+            colors = {n: f"C{i}" for i, n in enumerate(names)}
+            for rec in recs:
+                steps_, vals, sent = zip(*rec["curve"], strict=True)
+                style = {"color": colors[rec["config"]], "lw": 2.2 if rec["config"] == DENSE else 1.2,
+                         "ls": "-" if rec["seed"] == 0 else "--"}  # fmt: skip
+                label = f"{rec['config']} (seed {rec['seed']})"
+                by_step.plot(steps_, vals, label=label, **style)
+                by_bytes.plot(sent, vals, label=label, **style)
+            scale = "" if (model, batch) == ("small", 16) else f", {model}, {batch}/rank"
+            title = f"{table}: {corpus}, {steps} steps{scale}"
+            by_step.set(xlabel="step", ylabel="validation loss (nats/byte)", title=title)
+            by_bytes.set(xlabel="bytes sent by rank 0 (cumulative)", xscale="log", title="against bytes sent")
+            for ax in (by_step, by_bytes):
+                ax.grid(alpha=0.3)
+            by_step.legend(fontsize=7)
+            suffix = "" if (model, batch) == ("small", 16) else f"_{model}_b{batch}"
+            fig.savefig(os.path.join(out, f"{table}_{corpus}_{steps}{suffix}.png"), dpi=110)
 
 
 def main(argv: list[str] | None = None) -> None:

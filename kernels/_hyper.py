@@ -15,21 +15,14 @@ class AdamSHyper:
 
     Args:
         step: The step t being taken (1-based, the dense warm-up included).
-        lr: The group's learning rate; it drives the decoupled weight decay, and the update unless
-            ``lr_update`` is set.
+        lr: The group's learning rate (the update and the decoupled weight decay).
         beta1: First-moment decay b1.
         beta2: Weight b2 of the momentum in the second-moment term.
         eps: Denominator epsilon.
         weight_decay: Decoupled weight decay wd (``theta *= 1 - lr * wd``).
         bias_correction: Divide the momenta by ``1 - b1**t``.
-        lr_update: Learning rate of the update term when it differs from ``lr`` (SCAPE's
-            ``sparse_lr_scale``); None: ``lr``.
-        staleness_correction: Sparse steps: divide the averaged value by tau (steps since the coordinate
-            was last sent) in the second-moment term.
-        catch_up: Sparse steps: multiply the update by ``min(tau, catch_up_cap)``.
-        catch_up_cap: Cap of the catch-up factor.
-        interval: Sparse steps: the interval update (``kernels/sparse_adams.py``) instead of one AdamS step.
-        interval_cap: The interval update moves a coordinate by at most this many steps' worth.
+        catch_up_cap: Sparse steps: a coordinate sent after tau steps moves by at most ``min(tau, catch_up_cap)``
+            steps' worth of this step's learning rate (``kernels/sparse_adams.py``).
     """
 
     step: int
@@ -39,12 +32,7 @@ class AdamSHyper:
     eps: float
     weight_decay: float
     bias_correction: bool = True
-    lr_update: float | None = None
-    staleness_correction: bool = False
-    catch_up: bool = False
-    catch_up_cap: float = 1.0
-    interval: bool = False
-    interval_cap: float = float("inf")
+    catch_up_cap: float = float("inf")
 
     @property
     def bias_c(self) -> float:
@@ -55,8 +43,3 @@ class AdamSHyper:
     def decay(self) -> float:
         """The weight-decay factor ``1 - lr * wd``."""
         return 1.0 - self.lr * self.weight_decay
-
-    @property
-    def update_lr(self) -> float:
-        """The learning rate of the update term."""
-        return self.lr if self.lr_update is None else self.lr_update

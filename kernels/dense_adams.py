@@ -1,10 +1,10 @@
-"""Dense AdamS on a flat tensor (warm-up steps, ``unmasked_update="momentum"``, the AdamS optimizer).
+"""Dense AdamS on a flat tensor (the dense warm-up, and the AdamS optimizer).
 
 c     = 1 - b1**t (or 1)
 theta = theta * (1 - lr * wd)
 nu    = b2 * (m / c)**2 + (1 - b2) * g**2
 m     = b1 * m + (1 - b1) * g
-theta = theta - lr_update * (m / c) / (sqrt(nu) + eps)
+theta = theta - lr * (m / c) / (sqrt(nu) + eps)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def dense_adams_ref(
         g = grad.to(sdt)
         nu.add_(g.square(), alpha=1.0 - h.beta2)
         momentum.add_(g, alpha=1.0 - h.beta1)
-    theta.addcdiv_(momentum, nu.sqrt_().add_(h.eps), value=-h.update_lr / c)
+    theta.addcdiv_(momentum, nu.sqrt_().add_(h.eps), value=-h.lr / c)
     if theta is not param:
         param.copy_(theta)
 
@@ -127,7 +127,7 @@ def dense_adams_triton(
         float(h.eps),
         # The ref skips the multiply when wd == 0; multiplying by exactly 1.0 changes nothing.
         h.decay,
-        -h.update_lr / c,
+        -h.lr / c,
         BLOCK=block,
         HAS_GRAD=grad is not None,
         num_warps=4,

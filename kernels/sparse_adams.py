@@ -1,14 +1,19 @@
-"""AdamS on the masked coordinates a rank updates, from the one averaged buffer.
+"""AdamS on the masked coordinates a rank updates, from the one averaged buffer: the interval update.
 
-For each slot (coordinate j, averaged value g, step t, c = 1 - b1**t or 1):
+A coordinate sent at step t was last sent tau = t - last_sent[j] >= 1 steps ago, and g is the average over
+ranks of its accumulated gradient. The update moves it as dense AdamS would have over those tau steps had
+the gradient arrived evenly (mean gm = g / tau per step). With c = 1 - b1**t (or 1) and m = m[j]:
 
-    tau   = t - last_sent[j]                      steps since j was last sent (>= 1)
-    g2    = (g / tau)**2 if staleness else g**2   second-moment input
-    nu    = b2 * (m[j] / c)**2 + (1 - b2) * g2
-    m[j]  = b1 * m[j] + (1 - b1) * g
-    s     = min(tau, cap) if catch_up else 1
-    out   = theta[j] * (1 - lr * wd) - lr_update * s * (m[j] / c) / (sqrt(nu) + eps)
+    v     = max(g**2 / tau - (tau - 1) (m / c)**2, gm**2)      per-step second moment of the interval
+    nu    = b2 (m / c)**2 + (1 - b2) v
+    a     = b1**tau,  A = b1 (1 - a) / (1 - b1)                 A: steps of movement left in the old m
+    m[j]  = a m + (1 - a) gm
+    d     = (A m + (tau - A) gm) / c / (sqrt(nu) + eps)         dense AdamS's steps, summed over the interval
+    d     = clamp(d, +-min(tau, cap) B)                         B: the most one AdamS step moves (see below)
+    out   = theta[j] (1 - lr wd) - lr d
     last_sent[j] = t
+
+At tau = 1 this is one AdamS step, computed as AdamS computes it (bit for bit).
 """
 
 from __future__ import annotations
@@ -43,8 +48,7 @@ def sparse_adams_ref(
         mask: ``[rows, k]`` int16 chunk-local indices of the region.
         chunk_size: Coordinates per chunk.
         out: ``[rows * k]`` new parameter values at the slots (parameter dtype).
-        hyper: The step's hyperparameters; the update uses ``hyper.update_lr``, the weight decay
-            ``hyper.lr``.
+        hyper: The step's hyperparameters (``catch_up_cap``: the most steps of movement at once).
     """
     h = hyper
     pos = mask_positions(mask, chunk_size)
@@ -52,25 +56,14 @@ def sparse_adams_ref(
     theta = param.index_select(0, pos).to(sdt)
     m_prev = momentum.index_select(0, pos)
     g = gbar.to(sdt)
-    if h.interval:
-        age = (h.step - last_sent.index_select(0, pos)).to(sdt)
-        m, disp = _interval_update(m_prev, g, age, h)
-        # A coordinate sent again at once (tau = 1) takes exactly AdamS's step, computed as below.
-        one = age == 1
-        if bool(one.any()):
-            m_one, upd_one = _adams_step(m_prev, g, h)
-            m, disp = torch.where(one, m_one, m), torch.where(one, upd_one, disp)
-        out.copy_(theta.mul_(h.decay).sub_(disp, alpha=h.update_lr))
-        momentum.index_copy_(0, pos, m)
-        last_sent.index_fill_(0, pos, h.step)
-        return
-    tau = (h.step - last_sent.index_select(0, pos)).to(sdt) if (h.staleness_correction or h.catch_up) else None
-    g2 = (g / tau).square() if (h.staleness_correction and tau is not None) else None
-    m, upd = _adams_step(m_prev, g, h, g2)
-    if h.catch_up and tau is not None:
-        upd.mul_(tau.clamp(max=h.catch_up_cap))
-    new = theta.mul_(h.decay).sub_(upd, alpha=h.update_lr)
-    out.copy_(new)
+    tau = (h.step - last_sent.index_select(0, pos)).to(sdt)
+    m, disp = _interval_update(m_prev, g, tau, h)
+    # A coordinate sent again at once (tau = 1) takes AdamS's own step, computed as AdamS computes it.
+    again = tau == 1
+    if bool(again.any()):
+        m_one, disp_one = _adams_step(m_prev, g, h)
+        m, disp = torch.where(again, m_one, m), torch.where(again, disp_one, disp)
+    out.copy_(theta.mul_(h.decay).sub_(disp, alpha=h.lr))
     momentum.index_copy_(0, pos, m)
     last_sent.index_fill_(0, pos, h.step)
 
@@ -79,19 +72,18 @@ def interval_bound_per_step(h: AdamSHyper) -> float:
     """B: the most dense AdamS moves a coordinate in one step, in units of the learning rate.
 
     Cauchy-Schwarz on its update gives ``B = sqrt(b1^2 / b2 + (1 - b1)^2 / (c^2 (1 - b2)))``: 1.026 with the
-    default betas once the bias correction c is 1. The interval update moves by at most ``min(tau, cap) B``.
+    default betas once the bias correction c is 1. The interval update moves by at most ``min(tau, cap) B``:
+    a coordinate frozen for tau steps keeps seeing the gradient of where it stopped, so a long interval
+    would overshoot where dense AdamS, re-reading the gradient every step, stops.
     """
     c = h.bias_c
     return (h.beta1**2 / h.beta2 + (1.0 - h.beta1) ** 2 / (c * c * (1.0 - h.beta2))) ** 0.5
 
 
-def _adams_step(m_prev: Tensor, g: Tensor, h: AdamSHyper, g2: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """One AdamS step from ``g``: the new momentum and the update in units of the learning rate.
-
-    ``g2`` replaces ``g**2`` in the second moment (the staleness correction).
-    """
+def _adams_step(m_prev: Tensor, g: Tensor, h: AdamSHyper) -> tuple[Tensor, Tensor]:
+    """One AdamS step from ``g``: the new momentum and the update in units of the learning rate."""
     c = h.bias_c
-    nu = (m_prev / c).square_().mul_(h.beta2).add_(g.square() if g2 is None else g2, alpha=1.0 - h.beta2)
+    nu = (m_prev / c).square_().mul_(h.beta2).add_(g.square(), alpha=1.0 - h.beta2)
     m = m_prev.mul(h.beta1).add_(g, alpha=1.0 - h.beta1)
     return m, (m / c).div_(nu.sqrt_().add_(h.eps))
 
@@ -109,7 +101,7 @@ def _interval_update(m_prev: Tensor, g: Tensor, tau: Tensor, h: AdamSHyper) -> t
     carried = decay.neg().add_(1.0).mul_(b1 / (1.0 - b1))  # steps of movement left in the old momentum
     m = m_prev * decay + gm * decay.neg().add_(1.0)
     disp = (m_prev * carried + gm * (tau - carried)).div_(c).div_(nu.sqrt_().add_(h.eps))
-    bound = tau.clamp(max=h.interval_cap).mul_(interval_bound_per_step(h))
+    bound = tau.clamp(max=h.catch_up_cap).mul_(interval_bound_per_step(h))
     return m, torch.minimum(torch.maximum(disp, -bound), bound)
 
 
@@ -133,16 +125,13 @@ if HAS_TRITON:
         one_minus_b2: tl.tensor,
         eps: tl.tensor,
         decay: tl.tensor,
-        neg_lr_update: tl.tensor,
+        neg_lr: tl.tensor,
         cap: tl.tensor,
         log2_b1: tl.tensor,
         b1_over_one_minus_b1: tl.tensor,
         bound_per_step: tl.tensor,
         C: tl.constexpr,
         BLOCK: tl.constexpr,
-        STALENESS: tl.constexpr,
-        CATCH_UP: tl.constexpr,
-        INTERVAL: tl.constexpr,
     ) -> None:
         # One lane per slot; slot s is column s % k of chunk row s // k.
         s = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -152,37 +141,27 @@ if HAS_TRITON:
         theta = tl.load(param_ptr + pos, mask=live, other=0.0).to(tl.float32)
         m_prev = tl.load(mom_ptr + pos, mask=live, other=0.0)
         g = tl.load(gbar_ptr + s, mask=live, other=0.0).to(tl.float32)
-        # Same operations, in the same order and with the same fused multiply-adds, as the ref (its
+        last = tl.load(last_ptr + pos, mask=live, other=0)
+        tau = (step - last).to(tl.float32)
+        # AdamS's step (tau = 1): the ref's operations in its order, with its fused multiply-adds (its
         # add_(x, alpha=a) is one fma on CPU and CUDA); IEEE division and sqrt like PyTorch's.
-        if STALENESS or CATCH_UP or INTERVAL:
-            last = tl.load(last_ptr + pos, mask=live, other=0)
-            tau = (step - last).to(tl.float32)
-        if STALENESS:
-            gt = tl.div_rn(g, tau)
-            g2 = gt * gt
-        else:
-            g2 = g * g
         mc = tl.div_rn(m_prev, c)
-        nu = tl.fma(g2, one_minus_b2, mc * mc * beta2)
-        m = tl.fma(g, one_minus_b1, m_prev * beta1)
-        upd = tl.div_rn(tl.div_rn(m, c), tl.sqrt_rn(nu) + eps)
-        if CATCH_UP:
-            upd = upd * tl.minimum(tau, cap)
-        if INTERVAL:
-            # _interval_update's formulas; its exp2 and the interpreter's (numpy) may differ in the last bit.
-            gm = tl.div_rn(g, tau)
-            v = tl.maximum(tl.div_rn(g * g, tau) - (tau - 1.0) * (mc * mc), gm * gm)
-            nu_i = tl.fma(v, one_minus_b2, mc * mc * beta2)
-            a = tl.exp2(tau * log2_b1)
-            carried = (1.0 - a) * b1_over_one_minus_b1
-            m_i = m_prev * a + gm * (1.0 - a)
-            disp = tl.div_rn(tl.div_rn(m_prev * carried + gm * (tau - carried), c), tl.sqrt_rn(nu_i) + eps)
-            bound = tl.minimum(tau, cap) * bound_per_step
-            disp = tl.minimum(tl.maximum(disp, -bound), bound)
-            # A coordinate sent again at once (tau = 1) takes AdamS's own step, as in the ref.
-            m = tl.where(tau == 1.0, m, m_i)
-            upd = tl.where(tau == 1.0, upd, disp)
-        new = tl.fma(upd, neg_lr_update, theta * decay)
+        nu = tl.fma(g * g, one_minus_b2, mc * mc * beta2)
+        m_one = tl.fma(g, one_minus_b1, m_prev * beta1)
+        d_one = tl.div_rn(tl.div_rn(m_one, c), tl.sqrt_rn(nu) + eps)
+        # The interval update (_interval_update); b1**tau as exp2, which may differ from the ref's in the last bit.
+        gm = tl.div_rn(g, tau)
+        v = tl.maximum(tl.div_rn(g * g, tau) - (tau - 1.0) * (mc * mc), gm * gm)
+        nu_i = tl.fma(v, one_minus_b2, mc * mc * beta2)
+        a = tl.exp2(tau * log2_b1)
+        carried = (1.0 - a) * b1_over_one_minus_b1
+        m_i = m_prev * a + gm * (1.0 - a)
+        disp = tl.div_rn(tl.div_rn(m_prev * carried + gm * (tau - carried), c), tl.sqrt_rn(nu_i) + eps)
+        bound = tl.minimum(tau, cap) * bound_per_step
+        disp = tl.minimum(tl.maximum(disp, -bound), bound)
+        m = tl.where(tau == 1.0, m_one, m_i)
+        d = tl.where(tau == 1.0, d_one, disp)
+        new = tl.fma(d, neg_lr, theta * decay)
         tl.store(out_ptr + s, cast_rne(new, out_ptr.dtype.element_ty), mask=live)
         tl.store(mom_ptr + pos, m, mask=live)
         tl.store(last_ptr + pos, tl.full([BLOCK], 0, tl.int32) + step, mask=live)
@@ -200,10 +179,10 @@ def sparse_adams_triton(
 ) -> None:
     """Triton kernel of :func:`sparse_adams_ref` (same arguments; fp32 momentum only).
 
-    One lane per slot gathers theta, m and last_sent at its coordinate, takes the AdamS step and
+    One lane per slot gathers theta, m and last_sent at its coordinate, takes the interval update and
     scatters m and last_sent back: ``rows * k`` lanes, nothing dense. The operations, their order and
     their fused multiply-adds are the ref's; the results differ from it only in the last bits, because the
-    kernel's ``sqrt_rn`` is correctly rounded and PyTorch's CPU ``sqrt`` is not.
+    kernel's ``sqrt_rn`` is correctly rounded and PyTorch's CPU ``sqrt`` is not (and ``exp2`` may differ).
 
     Args:
         param: ``[rows * chunk_size]`` contiguous parameters (read only).
@@ -250,16 +229,13 @@ def sparse_adams_triton(
         1.0 - h.beta2,
         float(h.eps),
         h.decay,
-        -float(h.update_lr),
-        float(h.interval_cap if h.interval else h.catch_up_cap),
+        -float(h.lr),
+        float(h.catch_up_cap),
         math.log2(h.beta1) if h.beta1 > 0 else -math.inf,
         h.beta1 / (1.0 - h.beta1),
         interval_bound_per_step(h),
         C=chunk_size,
         BLOCK=block,
-        STALENESS=bool(h.staleness_correction) and not h.interval,
-        CATCH_UP=bool(h.catch_up) and not h.interval,
-        INTERVAL=bool(h.interval),
         num_warps=4,
         # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
         enable_fp_fusion=False,

@@ -118,7 +118,10 @@ def describe_engine(engine: ScapeEngine) -> str:
     if cfg.dense_warmup_steps:
         phases.append(f"the first {cfg.dense_warmup_steps} steps dense (dense_warmup_steps)")
         if cfg.density_ramp_steps:
-            phases.append(f"a density ramp over {cfg.density_ramp_steps} steps")
+            dense_ramp = cfg.dense_steps - cfg.dense_warmup_steps
+            phases.append(
+                f"a density ramp over {cfg.density_ramp_steps} steps (density_ramp_steps; its first {dense_ramp} dense)"
+            )
     phases.append(f"then {density:.2%} of the coordinates per step (effective density; density={cfg.density:g})")
     line = f"lightning_scape: SCAPE on {engine.numel:,} parameters in {_count(n, 'bucket')}: " + ", ".join(phases)
     small = [bs.layout for bs in engine.buckets if bs.layout.chunk_size < cfg.chunk_size]
@@ -155,33 +158,34 @@ class WarmupNotice:
         self.given = False
 
     def before_run(self, config: ScapeConfig, planned_steps: float | None) -> None:
-        """Warn if ``planned_steps`` optimizer steps (None or inf: not known) all lie in the warm-up."""
-        warmup = config.dense_warmup_steps
+        """Warn if ``planned_steps`` optimizer steps (None or inf: not known) are all sent dense."""
         if self.given or planned_steps is None or not math.isfinite(planned_steps) or planned_steps < 1:
             return
         steps = int(planned_steps)
-        if steps > warmup:
+        if steps > config.dense_steps:
             return
         self.given = True
-        rank_zero_warn(
-            f"lightning_scape: this run has {steps} optimizer steps, all inside SCAPE's dense warm-up "
-            f"(dense_warmup_steps={warmup}): every step sends the whole gradient, as DDP does, and no step is "
-            "sparse. For a run this short pass a smaller warm-up, e.g. "
-            f"ScapeStrategy(dense_warmup_steps={max(1, steps // 10)}) (about 10% of the steps)."
-        )
+        rank_zero_warn(f"lightning_scape: this run has {steps} optimizer steps, {_all_dense(config, steps)}")
 
     def after_run(self, engine: ScapeEngine) -> None:
-        """Warn if ``engine`` stepped, but not beyond its dense warm-up."""
-        warmup = engine.config.dense_warmup_steps
-        if self.given or not 0 < engine.step_count <= warmup:
+        """Warn if ``engine`` stepped, but never sparsely."""
+        if self.given or not 0 < engine.step_count <= engine.config.dense_steps:
             return
         self.given = True
         rank_zero_warn(
-            f"lightning_scape: the run ended after {engine.step_count} optimizer steps, inside SCAPE's dense "
-            f"warm-up (dense_warmup_steps={warmup}): every step sent the whole gradient, as DDP does, and no step "
-            "was sparse. For runs this short pass a smaller warm-up, e.g. "
-            f"ScapeStrategy(dense_warmup_steps={max(1, engine.step_count // 10)}) (about 10% of the steps)."
+            f"lightning_scape: the run ended after {engine.step_count} optimizer steps, "
+            + _all_dense(engine.config, engine.step_count)
         )
+
+
+def _all_dense(config: ScapeConfig, steps: int) -> str:
+    return (
+        f"all sent dense by SCAPE's warm-up (dense_warmup_steps={config.dense_warmup_steps}, and the first "
+        f"{config.dense_steps - config.dense_warmup_steps} of density_ramp_steps={config.density_ramp_steps}): "
+        "every step sends the whole gradient, as DDP does, and no step is sparse. For a run this short pass a "
+        f"smaller warm-up, e.g. ScapeStrategy(dense_warmup_steps={max(1, steps // 10)}, "
+        f"density_ramp_steps={max(0, steps // 5)})."
+    )
 
 
 def call_at_exit(method: Callable[[], None]) -> None:

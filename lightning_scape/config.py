@@ -10,14 +10,14 @@ from typing import Any, Literal, TypedDict
 from lightning_scape.kernels import MAX_CHUNK_SIZE
 
 MaskStatistic = Literal["momentum", "gradient", "random"]
-UnmaskedUpdate = Literal["frozen", "momentum"]
 RampShape = Literal["geometric", "linear"]
-SparseUpdate = Literal["interval", "catch_up"]
 
 MASK_STATISTICS: tuple[str, ...] = ("momentum", "gradient", "random")
-UNMASKED_UPDATES: tuple[str, ...] = ("frozen", "momentum")
 RAMP_SHAPES: tuple[str, ...] = ("geometric", "linear")
-SPARSE_UPDATES: tuple[str, ...] = ("interval", "catch_up")
+# A ramp step denser than this is sent dense: sparse it would send about as many bytes as dense (values,
+# parameters and int16 indices at 1/4 of the coordinates: 0.31 of ZeRO-1's fp32 bytes, rising to 1.25 at
+# density 1), and the compact buffers are sized for the densest sparse step.
+DENSE_ABOVE = 0.25
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,16 @@ class ScapeConfig:
         sharded: True keeps momentum only for the shard this rank owns (ZeRO-1 memory: 4/W bytes per
             parameter) and sends reduce-scatter + parameter all-gather + mask indices. False keeps the
             full momentum on every rank and sends one all-reduce of the values, no parameters or
-            indices; use it when memory is plentiful or for ``unmasked_update="momentum"``.
+            indices; use it when memory is plentiful.
         dense_warmup_steps: Optimizer steps run as dense data-parallel AdamS before the first mask.
             The momentum built there seeds the first mask; a few hundred steps (about 1% of a run) is
             typical, 0 starts sparse at once with an all-zero statistic (and no density ramp).
-        density_ramp_steps: Sparse steps after the dense warm-up over which the density falls from 1 to
-            ``density`` (the ramp is part of the warm-up: with ``dense_warmup_steps=0`` there is none). A
-            mask keeps the density of the step it was built for.
+        density_ramp_steps: Steps after the dense warm-up over which the density falls from 1 to ``density``
+            (the ramp is part of the warm-up: with ``dense_warmup_steps=0`` there is none). Ramp steps denser
+            than 1/4 are sent dense (a sparse step that dense would send as many bytes and need compact buffers
+            as large as the gradient), so with the default shape the first 30% of the ramp is dense. A mask
+            keeps the density of the step it was built for. The ramp is what the sparse phase needs to start
+            well: 200 steps cost about 70 dense steps' bytes (``docs/algorithm.md`` section 7).
         density_ramp_shape: ``"geometric"`` (the density falls by the same factor every step) or
             ``"linear"``.
         mask_delay: A mask built at the end of step t is used at step t + mask_delay. 1 (the paper's
@@ -61,28 +64,13 @@ class ScapeConfig:
             With k_e exploration slots every coordinate is sent at least once per C / k_e refreshes,
             which bounds the age of any residual. 0.1 costs little; 0 lets rarely-large coordinates
             starve.
-        unmasked_update: What happens to coordinates outside the mask. ``"frozen"``: momentum frozen,
-            parameter changes only by weight decay (works sharded and replicated). ``"momentum"``
-            (replicated only): every rank applies AdamS with g = 0 outside the mask, so every
-            coordinate moves every step along its momentum.
-        sparse_update: How a sent coordinate is updated. ``"interval"``: as dense AdamS would have moved it
-            over the tau steps since it was last sent if its accumulated gradient had arrived evenly (the
-            momentum decays by ``b1**tau``, the displacement integrates the old momentum and the mean
-            gradient, the second moment is estimated per step); ``"catch_up"``: one AdamS step from the
-            accumulated gradient, scaled by ``catch_up`` / ``catch_up_cap`` and ``staleness_correction``.
-        interval_cap: ``"interval"``: a coordinate moves by at most this many steps' worth at a time.
-        staleness_correction: Divide the averaged value by the number of steps since the coordinate
-            was last sent, in the second-moment term only, so a residual flushed after tau steps does
-            not inflate the normaliser.
-        catch_up: Scale the update of a coordinate sent after tau steps away by ``min(tau,
-            catch_up_cap)``, as if its accumulated gradient had been applied over those steps. On by
-            default: without it a coordinate sent every tau steps moves at 1/tau of dense AdamS's speed
-            (measured: 12% above dense validation loss with it, 25% without, at d = 0.01). Do not combine
-            with ``staleness_correction`` (both enlarge the step: 43% above dense, measured).
-        catch_up_cap: Upper bound on the catch-up factor. 32 measured best at d = 0.01 (8: 2.096, 32: 2.065,
-            128: 2.088 validation loss); lower it (8) if loss spikes appear after long-unsent coordinates.
-        sparse_lr_scale: Multiplier on the learning rate of the AdamS update in sparse steps (weight
-            decay keeps the group's learning rate).
+        catch_up_cap: How far a coordinate may catch up at once. A coordinate sent after tau steps moves as dense
+            AdamS would have over those tau steps (the interval update, ``docs/algorithm.md`` section 4), but
+            by at most ``catch_up_cap`` steps' worth at the peak learning rate seen so far (more as the learning
+            rate decays): a coordinate frozen for a long interval kept seeing the gradient of where it stopped,
+            and moving it all the way at once overshoots. The default is the best of 8, 16, 32 and 64 measured
+            at 1000 steps (``docs/algorithm.md`` section 7); lower it if the loss jumps when the sparse phase
+            starts, raise it for long runs at a low learning rate.
         bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
             communicating earlier in the backward pass but cost more launches; 25 is DDP's default.
         seed: Seed of the shared random generator (``mask_statistic="random"``).
@@ -94,19 +82,13 @@ class ScapeConfig:
     chunk_size: int = 4096
     sharded: bool = True
     dense_warmup_steps: int = 100
-    density_ramp_steps: int = 0
+    density_ramp_steps: int = 200
     density_ramp_shape: RampShape = "geometric"
     mask_delay: int = 1
     mask_refresh_interval: int = 1
     mask_statistic: MaskStatistic = "momentum"
     exploration: float = 0.1
-    unmasked_update: UnmaskedUpdate = "frozen"
-    sparse_update: SparseUpdate = "catch_up"
-    interval_cap: float = float("inf")
-    staleness_correction: bool = False
-    catch_up: bool = True
-    catch_up_cap: float = 32.0
-    sparse_lr_scale: float = 1.0
+    catch_up_cap: float = 16.0
     bucket_cap_mb: float = 25.0
     seed: int = 0
     collective_timeout_s: float = 1800.0
@@ -136,6 +118,26 @@ class ScapeConfig:
         """The round-robin exploration slots among ``k`` slots of a chunk."""
         return min(k, round(self.exploration * k))
 
+    def ramp_density(self, step: int) -> float:
+        """The density the schedule asks for at step ``step`` (1-based): 1 in the warm-up, then the ramp's."""
+        ramp_step = step - self.dense_warmup_steps
+        if ramp_step <= 0:
+            return 1.0
+        if self.dense_warmup_steps == 0 or ramp_step >= self.density_ramp_steps:
+            return self.density
+        frac = ramp_step / self.density_ramp_steps
+        if self.density_ramp_shape == "geometric":
+            return float(self.density**frac)
+        return 1.0 - (1.0 - self.density) * frac
+
+    @property
+    def dense_steps(self) -> int:
+        """The steps sent dense: the warm-up, and the ramp's first steps, denser than :data:`DENSE_ABOVE`."""
+        step = self.dense_warmup_steps
+        while step < self.dense_warmup_steps + self.density_ramp_steps and self.ramp_density(step + 1) > DENSE_ABOVE:
+            step += 1
+        return step
+
     def slots_at(self, step: int, chunk_size: int | None = None) -> int:
         """The slots per chunk of the masks built for sparse step ``step`` (1-based, warm-up included).
 
@@ -146,16 +148,7 @@ class ScapeConfig:
             chunk_size: The bucket's chunk size C (default: ``self.chunk_size``).
         """
         C = self.chunk_size if chunk_size is None else chunk_size
-        k_final = self.slots_for(C)
-        ramp_step = step - self.dense_warmup_steps
-        if self.dense_warmup_steps == 0 or not 0 < ramp_step < self.density_ramp_steps:
-            return k_final
-        frac = ramp_step / self.density_ramp_steps
-        if self.density_ramp_shape == "geometric":
-            d = self.density**frac
-        else:
-            d = 1.0 - (1.0 - self.density) * frac
-        return min(C, max(k_final, round(d * C)))
+        return min(C, max(self.slots_for(C), round(min(self.ramp_density(step), DENSE_ABOVE) * C)))
 
     @property
     def max_slots_per_chunk(self) -> int:
@@ -164,7 +157,7 @@ class ScapeConfig:
 
     def max_slots(self, chunk_size: int) -> int:
         """:attr:`max_slots_per_chunk` for chunks of ``chunk_size`` coordinates."""
-        return self.slots_at(self.dense_warmup_steps + 1, chunk_size)
+        return self.slots_at(self.dense_steps + 1, chunk_size)
 
     @property
     def effective_density(self) -> float:
@@ -206,21 +199,8 @@ def _validate(cfg: ScapeConfig) -> None:
         fail(f"mask_statistic={cfg.mask_statistic!r} is unknown; choose one of {MASK_STATISTICS}.")
     if not (0.0 <= cfg.exploration < 1.0):
         fail(f"exploration={cfg.exploration!r} must lie in [0, 1); 0.1 is the default.")
-    if cfg.unmasked_update not in UNMASKED_UPDATES:
-        fail(f"unmasked_update={cfg.unmasked_update!r} is unknown; choose one of {UNMASKED_UPDATES}.")
-    if cfg.unmasked_update == "momentum" and cfg.sharded:
-        fail(
-            'unmasked_update="momentum" needs the full momentum on every rank; '
-            "set sharded=False, or keep unmasked_update='frozen' with sharding."
-        )
-    if cfg.sparse_update not in SPARSE_UPDATES:
-        fail(f"sparse_update={cfg.sparse_update!r} is unknown; choose one of {SPARSE_UPDATES}.")
-    if not (cfg.interval_cap >= 1.0):
-        fail(f"interval_cap={cfg.interval_cap!r} must be >= 1 (steps of movement).")
     if not (cfg.catch_up_cap >= 1.0):
-        fail(f"catch_up_cap={cfg.catch_up_cap!r} must be >= 1.")
-    if not (cfg.sparse_lr_scale > 0.0):
-        fail(f"sparse_lr_scale={cfg.sparse_lr_scale!r} must be > 0.")
+        fail(f"catch_up_cap={cfg.catch_up_cap!r} must be >= 1 (steps of movement at once).")
     if not (cfg.bucket_cap_mb > 0.0):
         fail(f"bucket_cap_mb={cfg.bucket_cap_mb!r} must be > 0.")
     if not (cfg.collective_timeout_s > 0.0):
@@ -240,13 +220,7 @@ class ScapeOptions(TypedDict, total=False):
     mask_refresh_interval: int
     mask_statistic: MaskStatistic
     exploration: float
-    unmasked_update: UnmaskedUpdate
-    sparse_update: SparseUpdate
-    interval_cap: float
-    staleness_correction: bool
-    catch_up: bool
     catch_up_cap: float
-    sparse_lr_scale: float
     bucket_cap_mb: float
     seed: int
     collective_timeout_s: float

@@ -62,6 +62,7 @@ class DemoArgs:
     block_size: int
     lr: float
     warmup: int
+    ramp: int
     density: float
     eval_every: int
     eval_batches: int = 8
@@ -167,14 +168,15 @@ def _result(
     elapsed: float,
 ) -> dict[str, Any]:
     """The table's numbers and the curves of one run (rank 0's bytes, the ranks' mean loss)."""
-    sparse = [b for i, b in enumerate(step_bytes) if method == "dense" or i >= args.warmup]
+    settled = args.warmup + args.ramp  # the steps before SCAPE sends at its density
+    sparse = [b for i, b in enumerate(step_bytes) if method == "dense" or i >= settled]
     steps = args.steps
     return {
         "method": method,
         "label": method_label(method, args.density),
         "density": 1.0 if method == "dense" else args.density,
         "steps": steps,
-        "warmup": 0 if method == "dense" else min(args.warmup, steps),
+        "warmup": 0 if method == "dense" else min(settled, steps),
         "params": engine.numel,
         "padded_params": engine.padded_numel,
         "tokens_per_s": steps * args.batch_size * args.block_size * fabric.world_size / elapsed,
@@ -221,7 +223,12 @@ def method_config(args: DemoArgs, method: str) -> ScapeConfig:
     """
     if method == "dense":
         return ScapeConfig(sharded=False, dense_warmup_steps=args.steps + 1, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
-    return ScapeConfig(density=args.density, dense_warmup_steps=args.warmup, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    return ScapeConfig(
+        density=args.density,
+        dense_warmup_steps=args.warmup,
+        density_ramp_steps=args.ramp,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+    )
 
 
 def run_method(args: DemoArgs, method: str, tokens_file: str, vocab_size: int) -> dict[str, Any]:
@@ -297,12 +304,12 @@ def write_plot(results: Sequence[dict[str, Any]], path: Path) -> bool:
                      label=f"{r['label']} validation")  # fmt: skip
         per_step = [max(1, b) for b in r["bytes_sent"]]  # log axis: a step that sent nothing shows as 1 byte
         sent.plot(steps, per_step, color=color, lw=1.2, label=f"{r['label']}: {_kb(r['bytes_per_step'])}/step"
-                  + (" after the warm-up" if r["method"] == "scape" and r["warmup"] < r["steps"] else ""))
+                  + (" after the warm-up and ramp" if r["method"] == "scape" and r["warmup"] < r["steps"] else ""))
     warm = next((r for r in results if r["method"] == "scape" and 0 < r["warmup"] < r["steps"]), None)
     if warm is not None:  # where SCAPE stops sending everything
         for ax in (by_step, sent):
             ax.axvline(warm["warmup"], color="gray", ls=":", lw=1,
-                       label=f"end of SCAPE's dense warm-up (step {warm['warmup']})")  # fmt: skip
+                       label=f"SCAPE at its density from step {warm['warmup'] + 1}")  # fmt: skip
     by_step.set(xlabel="step", ylabel="loss (nats/token)", title="Loss against step")
     sent.set(yscale="log", xlabel="step", ylabel="bytes sent by one process in the step",
              title="Bytes sent per step (log scale)")  # fmt: skip
@@ -366,7 +373,8 @@ def demo_notes(results: Sequence[dict[str, Any]], warmup: int) -> list[str]:
         return notes
     if 0 < warmup < steps:
         notes.append(
-            f"SCAPE sends the whole gradient in its {warmup} dense warm-up steps, then "
+            f"SCAPE sends the whole gradient in its dense warm-up, then less and less over its density ramp ("
+            f"{warmup} steps together), then "
             f"{scape['density'] * 100:.3g}% of the values, with their indices and the new parameter values at them: "
             f"{_fmt_ratio(scape['dense_equivalent_per_step'], scape['bytes_per_step'])} fewer bytes than DDP per "
             f"step after the warm-up, {_fmt_ratio(scape['dense_equivalent_per_step'], scape['bytes_per_step_all'])} "
@@ -430,7 +438,7 @@ def run_demo(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for flag, value in (("--steps", ns.steps), ("--batch-size", ns.batch_size), ("--eval-every", ns.eval_every)):
         if value < 1:
             ap.error(f"{flag} must be at least 1, got {value}")
-    args = DemoArgs(ns.steps, ns.batch_size, ns.block_size, ns.lr, ns.warmup, ns.density, ns.eval_every)
+    args = DemoArgs(ns.steps, ns.batch_size, ns.block_size, ns.lr, ns.warmup, ns.ramp, ns.density, ns.eval_every)
     try:  # every argument is checked before the first process starts, not after the dense run
         for method in METHODS:
             method_config(args, method)
@@ -452,10 +460,14 @@ def run_demo(argv: list[str] | None = None) -> list[dict[str, Any]]:
         tokens_file = os.path.join(tmp, "tokens.pt")
         torch.save((train, val), tokens_file)
         for method in METHODS:
-            what = "all-reduce every step" if method == "dense" else f"after {args.warmup} dense warm-up steps"
+            what = (
+                "all-reduce every step"
+                if method == "dense"
+                else f"after {args.warmup} dense warm-up steps and a {args.ramp}-step density ramp"
+            )
             print(f"{method_label(method, args.density)} ({what}): {WORLD_SIZE} processes, gloo, CPU", flush=True)
             results.append(run_method(args, method, tokens_file, vocab_size))
-    print_table(results, args.warmup)
+    print_table(results, args.warmup + args.ramp)
     csv_path, png_path = ns.out / "demo.csv", ns.out / "demo.png"
     write_csv(results, csv_path)
     print(f"\nper-step curves: {csv_path}")

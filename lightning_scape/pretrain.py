@@ -358,10 +358,10 @@ def _launch_fabric(
     comm_logger.fabric = fabric
     fabric.print(f"SCAPE config: {config_line(scape)}")
     planned = comm_logger.planned_steps(fabric.world_size)
-    warmup = scape.dense_warmup_steps
+    warmup = scape.dense_steps
     fabric.print(
         f"{planned} optimizer steps of {comm_logger.tokens_per_step(fabric.world_size):,} tokens"
-        + (f"; steps 1-{min(warmup, planned)} are SCAPE's dense warm-up" if warmup else "")
+        + (f"; steps 1-{min(warmup, planned)} are SCAPE's dense warm-up (then the density ramp)" if warmup else "")
     )
     strategy._warmup_notice.before_run(scape, planned)
     log_dir = getattr(logger, "log_dir", None)
@@ -494,7 +494,7 @@ class _CommunicationLogger:
             return
         metrics = self.monitor.compute()  # every rank: the wait-time keys all-gather across ranks
         self.fabric.log_dict(metrics, step=engine.step_count)
-        warmup, step = engine.config.dense_warmup_steps, engine.step_count
+        warmup, step = engine.config.dense_steps, engine.step_count
         sent = f"step {step} | SCAPE sent {metrics['comm/sent_bytes'] / 1e3:.1f} kB/step"
         if step <= warmup:
             self.fabric.print(f"{sent}: dense warm-up (step {step} of {warmup}), as much as dense data parallelism")

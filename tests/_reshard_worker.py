@@ -30,7 +30,7 @@ import lightning_scape  # noqa: E402
 # A small regression onto a fixed teacher network: smooth enough that 10 steps of SCAPE on 1, 2 or 4 ranks stay
 # within about 2% of each other for any seed (measured with the thread simulation), so the comparison is about
 # the resume, not about chance. About 6k parameters in 3 buckets; chunks of 64 with 6 slots, 4 dense steps.
-SCAPE = {"density": 0.1, "chunk_size": 64, "dense_warmup_steps": 4, "bucket_cap_mb": 0.01}
+SCAPE = {"density": 0.1, "chunk_size": 64, "dense_warmup_steps": 4, "density_ramp_steps": 0, "bucket_cap_mb": 0.01}
 IN, HID, OUT, SAMPLES = 24, 64, 8, 128
 LR = 0.002
 GLOBAL_BATCH = 32  # samples per optimizer step over all ranks: 4 steps per epoch

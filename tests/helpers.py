@@ -292,7 +292,7 @@ N_SAMPLES = 32
 BATCH = 4
 LR = 0.02
 # Small enough for the tiny net: chunks of 64, 6 slots each, 3 buckets, 2 dense steps.
-SCAPE = {"density": 0.1, "chunk_size": 64, "dense_warmup_steps": 2, "bucket_cap_mb": 0.004}
+SCAPE = {"density": 0.1, "chunk_size": 64, "dense_warmup_steps": 2, "density_ramp_steps": 0, "bucket_cap_mb": 0.004}
 
 
 def dataset() -> TensorDataset:

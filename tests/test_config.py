@@ -19,13 +19,12 @@ from lightning_scape import ScapeConfig
         ({"mask_statistic": "hessian"}, "mask_statistic='hessian' is unknown"),
         ({"exploration": 1.0}, "exploration=1.0 must lie in [0, 1)"),
         ({"exploration": -0.1}, "exploration=-0.1"),
-        ({"unmasked_update": "momentum"}, "set sharded=False"),
-        ({"unmasked_update": "decay"}, "unmasked_update='decay' is unknown"),
+        ({"density_ramp_steps": -1}, "density_ramp_steps=-1"),
+        ({"density_ramp_shape": "cosine"}, "density_ramp_shape='cosine' is unknown"),
         ({"mask_delay": -1}, "mask_delay=-1"),
         ({"mask_refresh_interval": 0}, "mask_refresh_interval=0"),
         ({"dense_warmup_steps": -5}, "dense_warmup_steps=-5"),
         ({"catch_up_cap": 0.5}, "catch_up_cap=0.5"),
-        ({"sparse_lr_scale": 0.0}, "sparse_lr_scale=0.0"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb=0"),
     ],
 )
@@ -39,9 +38,11 @@ def test_defaults_follow_the_spec() -> None:
     cfg = ScapeConfig()
     assert cfg.density == 0.01 and cfg.chunk_size == 4096 and cfg.sharded
     assert cfg.mask_delay == 1 and cfg.mask_refresh_interval == 1 and cfg.mask_statistic == "momentum"
-    assert cfg.exploration == 0.1 and cfg.unmasked_update == "frozen"
+    assert cfg.exploration == 0.1
     # Settled by benchmarks/quality.py (docs/algorithm.md section 7).
-    assert cfg.catch_up and cfg.catch_up_cap == 32.0 and not cfg.staleness_correction
+    assert cfg.catch_up_cap == 16.0 and cfg.dense_warmup_steps == 100 and cfg.density_ramp_steps == 200
+    # The ramp's steps denser than 1/4 are sent dense: 0.01 ** (s / 200) > 1/4 for s <= 60.
+    assert cfg.dense_steps == 160 and cfg.slots_at(161) == round(0.01 ** (61 / 200) * 4096) == 1005
     # k_c = round(d C) = round(40.96) = 41 slots; k_e = round(0.1 * 41) = 4.
     assert cfg.slots_per_chunk == 41 and cfg.explore_slots_per_chunk == 4
     assert cfg.effective_density == pytest.approx(41 / 4096)
@@ -55,6 +56,6 @@ def test_small_density_keeps_one_slot_per_chunk() -> None:
 def test_replace_validates_and_config_pickles() -> None:
     cfg = ScapeConfig(density=0.1)
     assert pickle.loads(pickle.dumps(cfg)) == cfg
-    assert cfg.replace(sharded=False, unmasked_update="momentum").unmasked_update == "momentum"
+    assert cfg.replace(sharded=False, catch_up_cap=4.0).catch_up_cap == 4.0
     with pytest.raises(ValueError):
         cfg.replace(density=2.0)

@@ -24,7 +24,7 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
     monkeypatch.setenv("LIGHTNING_SCAPE_CACHE", str(tmp_path / "cache"))  # TextFolder's token cache
     corpus, out = tmp_path / "corpus", tmp_path / "out"
     write_corpus(corpus, 30, words=400)
-    argv = ["--steps", str(STEPS), "--warmup", "2", "--batch-size", "2", "--block-size", "64"]
+    argv = ["--steps", str(STEPS), "--warmup", "2", "--ramp", "0", "--batch-size", "2", "--block-size", "64"]
     argv += ["--eval-every", str(EVAL_EVERY), "--data", str(corpus), "--out", str(out)]
     dense, scape = run_demo(argv)
     text = capsys.readouterr().out

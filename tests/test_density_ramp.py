@@ -19,14 +19,19 @@ RAMP = {"density": 0.05, "chunk_size": 64, "dense_warmup_steps": 2, "density_ram
 def test_the_schedule_falls_from_dense_to_density() -> None:
     cfg = ScapeConfig(**RAMP)
     k_final = cfg.slots_per_chunk  # round(0.05 * 64) = 3
-    ks = [cfg.slots_at(t) for t in range(3, 9)]  # the first sparse step is 3
-    # Geometric: d_s = density ** (s / R) at ramp step s = 1..R-1, then the density itself.
-    assert ks == [round(0.05 ** (s / 5) * 64) for s in range(1, 5)] + [k_final, k_final]
-    assert ks == sorted(ks, reverse=True) and cfg.max_slots_per_chunk == ks[0]
-    linear = cfg.replace(density_ramp_shape="linear")
-    assert [linear.slots_at(t) for t in range(3, 8)] == [round((1 - 0.95 * s / 5) * 64) for s in range(1, 5)] + [3]
+    # Geometric: density ** (s / R) at ramp step s = 1..R-1 (step 2 + s), then the density itself. Steps denser
+    # than 1/4 are sent dense: s = 1 (0.55) and s = 2 (0.30); the sparse ramp starts at s = 3 (0.17).
+    assert [cfg.ramp_density(t) for t in (1, 2)] == [1.0, 1.0]
+    assert [cfg.ramp_density(t) for t in range(3, 8)] == pytest.approx([0.05 ** (s / 5) for s in range(1, 5)] + [0.05])
+    assert cfg.dense_steps == 4
+    ks = [cfg.slots_at(t) for t in range(5, 9)]
+    assert ks == [round(0.05**0.6 * 64), round(0.05**0.8 * 64), k_final, k_final] == [11, 6, 3, 3]
+    assert cfg.max_slots_per_chunk == 11  # the compact buffers' capacity: the first sparse step's slots
+    linear = cfg.replace(density_ramp_shape="linear")  # 1 - 0.95 s / 5: 0.81, 0.62, 0.43 dense, 0.24 sparse
+    assert linear.dense_steps == 5 and [linear.slots_at(t) for t in (6, 7)] == [round(0.24 * 64), 3]
     # No warm-up: sparse at the density from the first step, whatever the ramp says.
-    assert cfg.replace(dense_warmup_steps=0).max_slots_per_chunk == k_final
+    no_warmup = cfg.replace(dense_warmup_steps=0)
+    assert no_warmup.dense_steps == 0 and no_warmup.max_slots_per_chunk == k_final
     with pytest.raises(ValueError, match="density_ramp_shape"):
         cfg.replace(density_ramp_shape="cosine")  # type: ignore[arg-type]
 
@@ -66,10 +71,10 @@ def test_no_gradient_mass_is_lost_through_the_ramp_and_bytes_follow_it() -> None
     for r in results:
         assert torch.equal(r["grad_sum"], r["sent"] + r["residual"])
         assert r["residual"].abs().sum() > 0
-    # Sparse steps 3..10 use the ramp's slots per chunk, then the density's.
-    assert results[0]["slots"] == [cfg.slots_at(t) for t in range(3, steps + 1)]
+    # Steps 1..4 are dense; sparse steps 5..10 use the ramp's slots per chunk, then the density's.
+    assert results[0]["slots"] == [cfg.slots_at(t) for t in range(5, steps + 1)] == [11, 6, 3, 3, 3, 3]
     chunks = results[0]["padded"] // cfg.chunk_size
-    for t, sent in enumerate(results[0]["bytes"][2:], start=3):
+    for t, sent in enumerate(results[0]["bytes"][4:], start=5):
         dN = chunks * cfg.slots_at(t)  # the step's slots over all ranks
         assert sent["values"] == (W - 1) * dN * 8 // W  # fp64 values, reduce-scatter
         assert sent["params"] == (W - 1) * dN * 8 // W  # the owners' new values, all-gather
@@ -89,16 +94,16 @@ def test_a_checkpoint_taken_mid_ramp_resumes_bitwise() -> None:
 
     model = make_model(0)
     engine = ScapeEngine(AdamS(param_groups(model, 1e-2), lr=1e-2), cfg)
-    run(model, engine, range(4))  # two dense steps, two ramp steps: the queued mask is a ramp mask
-    assert engine.current_masks()[0].shape[1] == cfg.slots_at(5) > cfg.slots_per_chunk
+    run(model, engine, range(5))  # four dense steps, one sparse ramp step: the queued mask is a ramp mask
+    assert engine.current_masks()[0].shape[1] == cfg.slots_at(6) > cfg.slots_per_chunk
     saved_params = {k: v.clone() for k, v in model.state_dict().items()}
     saved = engine.state_dict()
-    run(model, engine, range(4, 10))
+    run(model, engine, range(5, 10))
 
     twin = make_model(1)
     twin.load_state_dict(saved_params)
     twin_engine = ScapeEngine(AdamS(param_groups(twin, 1e-2), lr=1e-2), cfg)
     twin_engine.load_state_dict(saved)
-    run(twin, twin_engine, range(4, 10))
+    run(twin, twin_engine, range(5, 10))
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)

@@ -32,10 +32,9 @@ def sim(world_size: int, spec: dict[str, Any]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- density 1 is data-parallel AdamS
 
 
-@pytest.mark.parametrize("sparse_update", ["interval", "catch_up"])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("sharded", [True, False])
-def test_density_one_reproduces_data_parallel_adams(world_size: int, sharded: bool, sparse_update: str) -> None:
+def test_density_one_reproduces_data_parallel_adams(world_size: int, sharded: bool) -> None:
     spec = {
         "steps": 20,
         "config": {
@@ -44,7 +43,6 @@ def test_density_one_reproduces_data_parallel_adams(world_size: int, sharded: bo
             "dense_warmup_steps": 0,
             "sharded": sharded,
             "exploration": 0.0,
-            "sparse_update": sparse_update,
         },
     }
     ref = reference_dense_adams(spec, world_size)
@@ -54,7 +52,7 @@ def test_density_one_reproduces_data_parallel_adams(world_size: int, sharded: bo
 
 
 def test_dense_warmup_steps_are_data_parallel_adams() -> None:
-    spec = {"steps": 6, "config": {"density": 0.01, "chunk_size": 64, "dense_warmup_steps": 6}}
+    spec = {"steps": 6, "config": {"density": 0.01, "chunk_size": 64, "dense_warmup_steps": 6, "density_ramp_steps": 0}}
     ref = reference_dense_adams(spec, 2)
     out = sim(2, spec)
     for step in range(6):
@@ -69,16 +67,18 @@ def test_dense_warmup_steps_are_data_parallel_adams() -> None:
     [
         {"sharded": True},
         {"sharded": False},
-        {"sharded": False, "unmasked_update": "momentum"},
+        {"sharded": False, "mask_statistic": "gradient"},
         {"mask_statistic": "gradient"},
         {"mask_statistic": "random"},
         {"mask_delay": 0},
         {"mask_delay": 2, "mask_refresh_interval": 3},
-        {"staleness_correction": True, "catch_up": True},
+        {"catch_up_cap": 1.0},
+        {"dense_warmup_steps": 2, "density_ramp_steps": 4},
     ],
 )
 def test_replicas_stay_bitwise_identical_at_low_density(cfg: dict[str, Any]) -> None:
-    spec = {"steps": 8, "config": {"density": 0.02, "chunk_size": 256, "dense_warmup_steps": 2, **cfg}}
+    config = {"density": 0.02, "chunk_size": 256, "dense_warmup_steps": 2, "density_ramp_steps": 0, **cfg}
+    spec = {"steps": 8, "config": config}
     out = sim(4, spec)
     for step in range(8):
         for r in range(1, 4):
@@ -91,7 +91,7 @@ def test_bf16_parameters_replicas_identical_and_two_byte_values() -> None:
     spec = {
         "steps": 5,
         "dtype": "bfloat16",
-        "config": {"density": 0.05, "chunk_size": 128, "dense_warmup_steps": 1},
+        "config": {"density": 0.05, "chunk_size": 128, "dense_warmup_steps": 1, "density_ramp_steps": 0},
     }
     out = sim(2, spec)
     for step in range(5):
@@ -112,7 +112,7 @@ def test_no_gradient_mass_is_lost_exactly() -> None:
 
 def test_masks_lie_in_their_owners_shards_with_distinct_slots() -> None:
     W = 2
-    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=2, bucket_cap_mb=1.0)
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=2, density_ramp_steps=0, bucket_cap_mb=1.0)
 
     def worker(rank: int, comm: Communicator) -> dict[str, Any]:
         model = make_net(0)
@@ -153,7 +153,9 @@ def test_masks_lie_in_their_owners_shards_with_distinct_slots() -> None:
 
 
 def test_exploration_flushes_every_coordinate_within_c_over_k_explore_steps() -> None:
-    cfg = ScapeConfig(density=0.125, chunk_size=64, dense_warmup_steps=1, exploration=0.5, bucket_cap_mb=1.0)
+    cfg = ScapeConfig(
+        density=0.125, chunk_size=64, dense_warmup_steps=1, density_ramp_steps=0, exploration=0.5, bucket_cap_mb=1.0
+    )
     k_e = cfg.explore_slots_per_chunk
     assert k_e == 4
     model = make_net(0)
@@ -177,7 +179,13 @@ def test_the_delayed_mask_is_the_one_built_a_step_earlier() -> None:
     for delay in (1, 2):
         spec = {
             "steps": 7,
-            "config": {"density": 0.05, "chunk_size": 64, "dense_warmup_steps": 2, "mask_delay": delay},
+            "config": {
+                "density": 0.05,
+                "chunk_size": 64,
+                "dense_warmup_steps": 2,
+                "density_ramp_steps": 0,
+                "mask_delay": delay,
+            },
         }
         out = sim(2, spec)[0]
         used, built = out["masks_used"], out["masks_built"]
@@ -193,7 +201,7 @@ def test_the_delayed_mask_is_the_one_built_a_step_earlier() -> None:
 
 
 def test_the_engine_compacts_with_the_queued_mask() -> None:
-    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=1, bucket_cap_mb=1.0)
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=1, density_ramp_steps=0, bucket_cap_mb=1.0)
     model = make_net(0, torch.float64)
     engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg)
     for step in range(4):
@@ -215,7 +223,13 @@ def test_the_engine_compacts_with_the_queued_mask() -> None:
 def test_mask_refresh_interval_reuses_masks_and_sends_indices_every_r_steps() -> None:
     spec = {
         "steps": 9,
-        "config": {"density": 0.05, "chunk_size": 64, "dense_warmup_steps": 2, "mask_refresh_interval": 3},
+        "config": {
+            "density": 0.05,
+            "chunk_size": 64,
+            "dense_warmup_steps": 2,
+            "density_ramp_steps": 0,
+            "mask_refresh_interval": 3,
+        },
     }
     out = sim(2, spec)[0]
     idx_bytes = [s["indices"] for s in out["sent"]]
@@ -233,7 +247,13 @@ def test_counters_equal_the_bytes_formula(world_size: int, sharded: bool) -> Non
     W = world_size
     spec = {
         "steps": 5,
-        "config": {"density": 0.03, "chunk_size": 128, "dense_warmup_steps": 2, "sharded": sharded},
+        "config": {
+            "density": 0.03,
+            "chunk_size": 128,
+            "dense_warmup_steps": 2,
+            "density_ramp_steps": 0,
+            "sharded": sharded,
+        },
     }
     out = sim(W, spec)[0]
     N, n_real, b, bi = out["padded_numel"], out["numel"], 4, 2
@@ -318,7 +338,9 @@ def test_chunks_are_sized_to_the_bucket_only_where_the_padding_would_exceed_five
 
 
 def test_world_size_one_sends_nothing() -> None:
-    out = sim(1, {"steps": 3, "config": {"density": 0.05, "chunk_size": 64, "dense_warmup_steps": 1}})[0]
+    out = sim(
+        1, {"steps": 3, "config": {"density": 0.05, "chunk_size": 64, "dense_warmup_steps": 1, "density_ramp_steps": 0}}
+    )[0]
     assert all(v == 0 for s in out["sent"] for v in s.values())
 
 
@@ -367,7 +389,9 @@ def test_unused_parameters_contribute_zeros_without_a_hang() -> None:
         def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
             return self.b(self.a(x)) if use_b else self.a(x)
 
-    cfg = ScapeConfig(density=0.25, chunk_size=16, dense_warmup_steps=1, bucket_cap_mb=100 / 2**20)
+    cfg = ScapeConfig(
+        density=0.25, chunk_size=16, dense_warmup_steps=1, density_ramp_steps=0, bucket_cap_mb=100 / 2**20
+    )
 
     def worker(rank: int, comm: Communicator) -> torch.Tensor:
         torch.manual_seed(0)
@@ -422,7 +446,8 @@ def test_frozen_parameters_are_left_out_and_tied_parameters_count_once() -> None
     model = Tied()
     frozen_before = model.frozen.weight.detach().clone()
     engine = ScapeEngine(
-        AdamS(model.parameters(), lr=1e-2), ScapeConfig(density=0.5, chunk_size=16, dense_warmup_steps=1)
+        AdamS(model.parameters(), lr=1e-2),
+        ScapeConfig(density=0.5, chunk_size=16, dense_warmup_steps=1, density_ramp_steps=0),
     )
     assert engine.numel == 60  # the tied 10x6 matrix once, nothing from the frozen layer
     for _ in range(3):
@@ -438,7 +463,13 @@ def test_clipping_scales_the_synchronised_gradient() -> None:
     spec = {
         "steps": 6,
         "max_grad_norm": 1e-2,
-        "config": {"density": 1.0, "chunk_size": 32, "dense_warmup_steps": 3, "exploration": 0.0},
+        "config": {
+            "density": 1.0,
+            "chunk_size": 32,
+            "dense_warmup_steps": 3,
+            "density_ramp_steps": 0,
+            "exploration": 0.0,
+        },
     }
     ref = reference_dense_adams(spec, 2)
     unclipped = reference_dense_adams({**spec, "max_grad_norm": None}, 2)
@@ -449,7 +480,7 @@ def test_clipping_scales_the_synchronised_gradient() -> None:
 
 
 def test_engine_state_dict_resume_is_bitwise_identical() -> None:
-    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=2, bucket_cap_mb=1.0)
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=2, density_ramp_steps=0, bucket_cap_mb=1.0)
 
     def run(model: nn.Module, engine: ScapeEngine, steps: range) -> None:
         for step in steps:
@@ -485,7 +516,7 @@ def test_an_optimizer_without_adams_groups_is_refused() -> None:
 
 def test_construction_gives_every_rank_rank_zeros_parameters() -> None:
     """Like DDP's constructor: differently initialised replicas start identical (and the bytes are counted)."""
-    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=1)
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=1, density_ramp_steps=0)
 
     def worker(rank: int, comm: Communicator) -> tuple[torch.Tensor, dict[str, int], int]:
         model = make_net(seed=rank)  # a different initialisation on every rank

@@ -33,7 +33,7 @@ def test_low_density_run_replicas_counters_and_simulation(world_size: int, dtype
         "steps": 8,
         "dtype": dtype,
         "max_grad_norm": 1.0,
-        "config": {"density": 0.01, "chunk_size": 512, "dense_warmup_steps": 2},
+        "config": {"density": 0.01, "chunk_size": 512, "dense_warmup_steps": 2, "density_ramp_steps": 0},
     }
     real = run_gloo(W, gloo_run_worker, spec)
     # 1. Replicas bitwise identical after every step.
@@ -58,8 +58,10 @@ def test_low_density_run_replicas_counters_and_simulation(world_size: int, dtype
     for step in range(8):
         if W == 2:  # one addition per value: bitwise
             assert torch.equal(simulated[0]["params"][step], real[0]["params"][step]), step
-        else:  # gloo may associate a 4-way sum differently: last-bit differences only
-            torch.testing.assert_close(simulated[0]["params"][step], real[0]["params"][step], rtol=1e-12, atol=1e-14)
+        else:  # gloo may associate a 4-way sum differently: last-bit differences in the averaged values, which
+            # the interval update's second-moment estimate (g^2/tau - (tau-1) m^2, nearly equal terms for a steady
+            # coordinate) can raise to ~1e-8 relative in fp64
+            torch.testing.assert_close(simulated[0]["params"][step], real[0]["params"][step], rtol=1e-6, atol=1e-8)
             assert all(
                 torch.equal(a, b)
                 for a, b in zip(simulated[0]["masks_used"][-1], real[0]["masks_used"][-1], strict=True)

@@ -64,7 +64,7 @@ def test_overrides_and_data_shorthand(tmp_path: Path) -> None:
     _, kwargs = parse(
         ["--config", DEBUG, "--scape.density", "0.1", "--train.micro_batch_size", "4", "--data", str(corpus)]
     )
-    assert kwargs["scape"].density == 0.1 and kwargs["scape"].dense_warmup_steps == 30  # the rest from the recipe
+    assert kwargs["scape"].density == 0.1 and kwargs["scape"].dense_warmup_steps == 20  # the rest from the recipe
     assert kwargs["train"].micro_batch_size == 4
     assert Path(kwargs["data"].path) == corpus
     assert _rewrite_data_path(["--data", "TinyStories"]) == ["--data", "TinyStories"]
@@ -247,16 +247,20 @@ def test_debug_recipe_trains_logs_and_checkpoints(full_run: tuple[Path, Path, st
     rows = [r for r in _metrics(full) if r.get("loss")]
     losses = [float(r["loss"]) for r in rows]
     assert len(losses) == 12 and losses[-1] < losses[0] - 1.0, losses  # byte-level: from ~5.5 nats to below 3
-    # SCAPE's communication is logged through litgpt's logger: dense until step 30, then ~1% of it.
+    # SCAPE's communication is logged through litgpt's logger: dense until step 26 (the warm-up and the ramp's
+    # first 6 steps), ~1% of it from step 40, where the ramp ends.
     ratio = "comm/compression_ratio"
     comm = {int(r["step"]): float(r[ratio]) for r in _metrics(full) if r.get(ratio)}
     assert comm[20] == pytest.approx(1.0, rel=0.01) and comm[60] > 50, comm
     assert "Final evaluation | val loss" in log
     # What the command prints: a readable config, the plan, compile off on the CPU, the warm-up named as such.
-    assert "SCAPE config: density=0.01, chunk_size=4096, sharded=True, dense_warmup_steps=30," in log
+    assert (
+        "SCAPE config: density=0.01, chunk_size=4096, sharded=True, dense_warmup_steps=20, density_ramp_steps=20,"
+        in log
+    )
     assert "{'density'" not in log and "compile: off" in log
-    assert "60 optimizer steps of 2,048 tokens; steps 1-30 are SCAPE's dense warm-up" in log
-    assert re.search(r"step 5 \| SCAPE sent [\d.]+ kB/step: dense warm-up \(step 5 of 30\)", log), log
+    assert "60 optimizer steps of 2,048 tokens; steps 1-26 are SCAPE's dense warm-up (then the density ramp)" in log
+    assert re.search(r"step 5 \| SCAPE sent [\d.]+ kB/step: dense warm-up \(step 5 of 26\)", log), log
     assert " 1.0x fewer" not in log
     assert re.search(r"step 60 \| SCAPE sent [\d.]+ kB/step, [\d.]+x fewer bytes than dense", log), log
     # Its own throughput, per process and in total, instead of litgpt's "Tok/sec" (tokens / a timestamp).
@@ -272,9 +276,7 @@ def test_debug_recipe_trains_logs_and_checkpoints(full_run: tuple[Path, Path, st
 
 
 @pytest.mark.dist
-def test_resume_continues_exactly_where_the_checkpoint_was(
-    full_run: tuple[Path, Path, str], tmp_path: Path
-) -> None:
+def test_resume_continues_exactly_where_the_checkpoint_was(full_run: tuple[Path, Path, str], tmp_path: Path) -> None:
     """Resume from step 40 in a fresh folder: litgpt continues at iteration 41 with the same data order,
     learning rate, SCAPE state and masks, and ends at exactly the uninterrupted run's weights."""
     full, cache, _ = full_run

@@ -89,55 +89,22 @@ def test_scatter_decay_decays_everything_then_writes_the_mask() -> None:
     assert p.tolist() == [5.0, 0.5, 0.5, 0.5, 0.5, 0.5, 6.0, 0.5]
 
 
-def _hand_adams(
-    theta: float,
-    m: float,
-    g: float,
-    t: int,
-    tau: int,
-    stale: bool,
-    catch: bool,
-    cap: float,
-    lr: float = 0.1,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = 1e-8,
-    wd: float = 0.1,
-) -> tuple[float, float]:
-    c = 1 - b1**t
-    g2 = (g / tau) ** 2 if stale else g**2
-    nu = b2 * (m / c) ** 2 + (1 - b2) * g2
-    m_new = b1 * m + (1 - b1) * g
-    s = min(tau, cap) if catch else 1.0
-    return theta * (1 - lr * wd) - lr * s * (m_new / c) / (math.sqrt(nu) + eps), m_new
-
-
-@pytest.mark.parametrize(("stale", "catch"), [(False, False), (True, False), (False, True), (True, True)])
-def test_sparse_adams_updates_only_the_slots_with_staleness_and_catch_up(stale: bool, catch: bool) -> None:
+def test_a_coordinate_sent_again_at_once_takes_one_adams_step_and_only_the_slots_move() -> None:
+    """tau = 1 (last sent at the previous step): the spec's AdamS formula, by hand."""
+    b1, b2, eps, lr, wd, t = 0.9, 0.95, 1e-8, 0.1, 0.1, 10
     param = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
     m = torch.tensor([0.5, -0.5, 0.25, 0.0], dtype=torch.float64)
-    last = torch.tensor([9, 4, 9, 9], dtype=torch.int32)  # coordinate 1 last sent at step 4
-    gbar = torch.tensor([6.0], dtype=torch.float64)
+    last = torch.tensor([4, 9, 4, 4], dtype=torch.int32)  # coordinate 1 was last sent at step 9
     out = torch.empty(1, dtype=torch.float64)
-    mask = torch.tensor([[1]], dtype=torch.int16)
-    hyper = AdamSHyper(
-        step=10,
-        lr=0.1,
-        lr_update=0.1,
-        beta1=0.9,
-        beta2=0.95,
-        eps=1e-8,
-        weight_decay=0.1,
-        bias_correction=True,
-        staleness_correction=stale,
-        catch_up=catch,
-        catch_up_cap=4.0,
-    )
-    sparse_adams_ref(param, m, last, gbar, mask, 4, out, hyper)
-    theta, m_new = _hand_adams(2.0, -0.5, 6.0, t=10, tau=6, stale=stale, catch=catch, cap=4.0)
-    assert out.item() == pytest.approx(theta, rel=1e-12)
+    hyper = AdamSHyper(step=t, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, catch_up_cap=4.0)
+    sparse_adams_ref(param, m, last, torch.tensor([6.0], dtype=torch.float64), torch.tensor([[1]], dtype=torch.int16),
+                     4, out, hyper)  # fmt: skip
+    c = 1 - b1**t
+    nu = b2 * (-0.5 / c) ** 2 + (1 - b2) * 6.0**2
+    m_new = b1 * -0.5 + (1 - b1) * 6.0
+    assert out.item() == pytest.approx(2.0 * (1 - lr * wd) - lr * (m_new / c) / (math.sqrt(nu) + eps), rel=1e-12)
     assert m.tolist() == pytest.approx([0.5, m_new, 0.25, 0.0], rel=1e-12)
-    assert last.tolist() == [9, 10, 9, 9]
+    assert last.tolist() == [4, 10, 4, 4]
     assert param.tolist() == [1.0, 2.0, 3.0, 4.0]  # read only
 
 
@@ -167,7 +134,7 @@ def test_the_interval_update_integrates_adams_over_the_interval_by_hand() -> Non
         m = torch.tensor([0.5, m_prev, 0.25, 0.0], dtype=torch.float64)
         last = torch.tensor([99, 94, 99, 99], dtype=torch.int32)
         out = torch.empty(1, dtype=torch.float64)
-        hyper = AdamSHyper(step=t, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, interval=True, interval_cap=cap)
+        hyper = AdamSHyper(step=t, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, catch_up_cap=cap)
         sparse_adams_ref(param, m, last, torch.tensor([g], dtype=torch.float64), torch.tensor([[1]], dtype=torch.int16),
                          4, out, hyper)  # fmt: skip
         assert out.item() == pytest.approx(theta * (1 - lr * wd) - lr * moved, rel=1e-12)

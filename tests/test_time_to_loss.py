@@ -234,7 +234,7 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
         assert p["to_1.00_reached"] == math.isfinite(p["to_1.00_time_s"]), name
     for name in ("scape_default_d0.01", "scape_default_d0.1", "scape_default_gradient_d0.01"):
         assert per[name]["config"]["dense_warmup_steps"] == 2  # --scape-set reached the workers
-        assert per[name]["config"]["catch_up"] == ScapeConfig().catch_up  # the rest: package defaults
+        assert per[name]["config"]["catch_up_cap"] == ScapeConfig().catch_up_cap  # the rest: package defaults
     md = (tmp_path / "results.md").read_text()
     assert "LOOPBACK, NO RATE LIMIT" in md and "Target L*" in md and "Sizing:" in md
     headline = (tmp_path / "headline.md").read_text()

@@ -271,29 +271,30 @@ def _stepped_engine(config: ScapeConfig, steps: int) -> ScapeEngine:
 
 
 def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None:
-    default = ScapeConfig()  # 100 dense warm-up steps
+    default = ScapeConfig()  # 100 dense warm-up steps, then 60 dense steps of the density ramp
     with pytest.warns(UserWarning) as before:
         notice = wiring.WarmupNotice()
         notice.before_run(default, 30.0)  # the Trainer knows the length: the warning comes before the first step
         notice.after_run(_stepped_engine(default, 30))
     (message,) = [str(w.message) for w in before]
     assert "30 optimizer steps" in message and "dense_warmup_steps=100" in message
-    assert "ScapeStrategy(dense_warmup_steps=3)" in message
+    assert "the first 60 of density_ramp_steps=200" in message
+    assert "ScapeStrategy(dense_warmup_steps=3, density_ramp_steps=6)" in message
 
     with pytest.warns(UserWarning) as after:  # Fabric: at the end (teardown, or when the process exits)
         notice = wiring.WarmupNotice()
         notice.before_run(default, None)
-        notice.after_run(_stepped_engine(default.replace(dense_warmup_steps=4), 4))
-        notice.after_run(_stepped_engine(default.replace(dense_warmup_steps=4), 4))
+        notice.after_run(_stepped_engine(default.replace(dense_warmup_steps=4, density_ramp_steps=0), 4))
+        notice.after_run(_stepped_engine(default.replace(dense_warmup_steps=4, density_ramp_steps=0), 4))
     (message,) = [str(w.message) for w in after]
     assert "ended after 4 optimizer steps" in message and "dense_warmup_steps=4" in message
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # longer than the warm-up, no warm-up, length unknown, never stepped
-        wiring.WarmupNotice().before_run(default, 101.0)
+        wiring.WarmupNotice().before_run(default, 161.0)
         wiring.WarmupNotice().before_run(default.replace(dense_warmup_steps=0), 5.0)
         wiring.WarmupNotice().before_run(default, float("inf"))
-        wiring.WarmupNotice().after_run(_stepped_engine(default.replace(dense_warmup_steps=2), 3))
+        wiring.WarmupNotice().after_run(_stepped_engine(default.replace(dense_warmup_steps=2, density_ramp_steps=0), 3))
         wiring.WarmupNotice().after_run(_stepped_engine(default, 0))
 
 

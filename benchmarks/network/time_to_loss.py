@@ -461,7 +461,7 @@ def scape_config_lines(per: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     fields = (
         *("density", "dense_warmup_steps", "density_ramp_steps", "density_ramp_shape", "mask_statistic"),
-        *("catch_up", "catch_up_cap", "exploration", "chunk_size", "sharded"),
+        *("catch_up_cap", "exploration", "chunk_size", "sharded"),
     )
     for p in per.values():
         cfg = p.get("config")

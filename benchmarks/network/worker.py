@@ -399,6 +399,8 @@ class ScapeMethod(Method):
                 chunk_size=spec.chunk_size,
                 sharded=not name.startswith("scape_replicated"),
                 dense_warmup_steps=spec.warmup,
+                # The step-time mode measures the sparse step at its density, right after a short warm-up.
+                density_ramp_steps=0,
                 mask_statistic="gradient" if name.startswith("scape_gradient") else "momentum",
                 bucket_cap_mb=BUCKET_CAP_MB,
             )

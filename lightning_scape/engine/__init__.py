@@ -124,12 +124,14 @@ class ScapeEngine:
             self.buckets, cfg, self.comm, self.counters, lambda bs: groups[bs.layout.group_index]["betas"][0]
         )
         self.step_count = 0
+        # Per param group, the largest learning rate seen: catch_up_cap counts steps at it.
+        self.peak_lr = [0.0] * len(optimizer.param_groups)
         self.require_backward_grad_sync = True
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
         self.last_used_masks: list[Tensor] | None = None  # per bucket, the mask of the last sparse step
         self._step: StepInFlight | None = None
-        if cfg.dense_warmup_steps == 0:
+        if cfg.dense_steps == 0:
             self.masks.begin()
 
     @torch.no_grad()
@@ -151,7 +153,7 @@ class ScapeEngine:
     @property
     def in_warmup(self) -> bool:
         """Whether the next step is a dense warm-up step."""
-        return self.step_count < self.config.dense_warmup_steps
+        return self.step_count < self.config.dense_steps
 
     @property
     def slots(self) -> int:
@@ -210,13 +212,17 @@ class ScapeEngine:
         if sparse:
             self.last_used_masks = [self.masks.in_use(i) for i in range(len(self.buckets))]
         update.clip_(synced, self._clip_coef(step, max_grad_norm), clip_value)
-        hypers = [update.step_hyper(g, t, self.config, sparse) for g in self.optimizer.param_groups]
-        unmasked_momentum = self.config.unmasked_update == "momentum"
+        groups = self.optimizer.param_groups
+        self.peak_lr = [max(peak, g["lr"]) for peak, g in zip(self.peak_lr, groups, strict=True)]
+        hypers = [
+            update.step_hyper(g, t, self.config, p if sparse else None)
+            for g, p in zip(groups, self.peak_lr, strict=True)
+        ]
         gathers: list[Pending | None] = []
         for i, (bs, g) in enumerate(zip(self.buckets, synced, strict=True)):
             hyper = hypers[bs.layout.group_index]
             if sparse:
-                update.sparse_update(bs, self.masks.in_use(i), g, hyper, unmasked_momentum)
+                update.sparse_update(bs, self.masks.in_use(i), g, hyper)
             else:
                 update.dense_update(bs, g, hyper)
             gathers.append(self._launch_param_gather(bs, sparse))
@@ -226,11 +232,10 @@ class ScapeEngine:
             if pending is not None:
                 self.counters.timed_wait(pending)
             if sparse:
-                decay = 1.0 if unmasked_momentum else hypers[bs.layout.group_index].decay
-                update.apply_sparse(bs, self.masks.in_use(i), decay)
+                update.apply_sparse(bs, self.masks.in_use(i), hypers[bs.layout.group_index].decay)
         if sparse:
             self.masks.finish_sparse_step()
-        elif t == self.config.dense_warmup_steps:
+        elif t == self.config.dense_steps:
             self._finish_warmup(t)
         self._close_step(applied=True)
 

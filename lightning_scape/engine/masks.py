@@ -74,7 +74,7 @@ class MaskSchedule:
 
     def begin(self) -> None:
         """The first masks (end of the dense warm-up, or construction without one)."""
-        self._queue(new=True, for_step=self.config.dense_warmup_steps + 1)
+        self._queue(new=True, for_step=self.config.dense_steps + 1)
 
     def restart(self, step: int) -> None:
         """Drop every mask and, past the warm-up, queue new ones for step ``step + 1`` as :meth:`begin` does.
@@ -88,14 +88,14 @@ class MaskSchedule:
         self.wait_all()
         self.queues = [deque() for _ in self.buckets]
         self.last_built = [None] * len(self.buckets)
-        if step >= self.config.dense_warmup_steps and self.config.mask_delay > 0:
+        if step >= self.config.dense_steps and self.config.mask_delay > 0:
             self.refresh_count = max(0, self.refresh_count - 1)
             self._queue(new=True, for_step=step + 1)
 
     def after_sparse_step(self, step: int) -> None:
         """At the end of sparse step ``step``: queue the mask of the step ``mask_delay`` steps later."""
         cfg = self.config
-        new = (step - cfg.dense_warmup_steps) % cfg.mask_refresh_interval == 0
+        new = (step - cfg.dense_steps) % cfg.mask_refresh_interval == 0
         self._queue(new, for_step=step + cfg.mask_delay)
 
     def for_launch(self, i: int, step: int) -> Tensor:
@@ -154,7 +154,7 @@ class MaskSchedule:
     def _build_from_current_gradient(self, i: int, step: int) -> None:
         """``mask_delay=0``: score ``e + g`` of this step (the refresh policy decides if a new mask is built)."""
         cfg, bs = self.config, self.buckets[i]
-        since_warmup = step - 1 - cfg.dense_warmup_steps
+        since_warmup = step - 1 - cfg.dense_steps
         if self.last_built[i] is None or since_warmup % cfg.mask_refresh_interval == 0:
             residual = bs.residual[bs.shard] + bs.grads[bs.shard]
             self._build(i, bs.shard_of_region(bs.momentum), residual, step)
