@@ -18,7 +18,7 @@ Every run trains the small litgpt GPT of ``lightning_scape.workloads`` (4 layers
 byte tokens) on one of its corpora (``stdlib``: the Python standard library's source; ``prose``: the
 documentation that ships with Python; both split into train and validation by file) with W = 2 simulated
 ranks (``lightning_scape.simulate``: the exact algorithm of W ranks, in threads), 16 sequences of 128 bytes
-per rank and step, AdamS with a cosine learning rate (peak 3e-3, 20 warm-up steps, zero at the last step)
+per rank and step, AdamS with a cosine learning rate (peak 1.5e-3, 20 warm-up steps, zero at the last step)
 and global-norm clipping at 1.0. A seed fixes the initialisation and the data order; every configuration
 of a seed sees the same batches, and every run is evaluated on the same validation batches.
 
@@ -59,7 +59,9 @@ from lightning_scape.workloads import (
 DENSE = "dense"
 WORLD_SIZE = 2
 BLOCK = 128
-PEAK_LR = 3e-3
+# The peak learning rate at which dense AdamS does best on this model at 1000 steps (validation loss 1.080 at
+# 1e-3, 1.076 at 1.5e-3, 1.143 at 3e-3, 1.317 at 6e-3): the baseline is tuned, not flattered.
+PEAK_LR = 1.5e-3
 CLIP = 1.0
 EVAL_BATCHES = 16  # 16 x 16 windows of 128 bytes: 32k validation tokens, the same for every run
 
