@@ -8,7 +8,7 @@ The machinery of ``benchmarks.network.run`` (hosts in network namespaces behind 
 ``netns.py``; every method in the same W processes, one optimizer step each per round in rotating order,
 barrier between, ``worker.py``), with training long enough for the loss to flatten: every method trains the
 same model from the same initial weights on the same batches for the same step budget, under the quality
-benchmark's cosine learning rate (peak 3e-3, 20 ramp steps, 0 at the last step) and batch (16 x 128 tokens
+benchmark's cosine learning rate (peak 1.5e-3, 20 ramp steps, 0 at the last step) and batch (16 x 128 tokens
 per rank), and is evaluated on the same fixed validation batches (``lightning_scape.workloads``) before
 the first step, every ``--eval-every`` steps and after the last, in the same rounds, outside the clock.
 
@@ -62,15 +62,15 @@ from lightning_scape.workloads import MODEL_PRESETS
 DDP = "ddp_adamw"  # the reference: its final validation loss is the target
 TARGET_FACTORS: tuple[float, ...] = (1.0, 1.05)
 
-# 8 x 128 tokens per rank at peak 3e-3 (20 ramp steps, cosine to 0, AdamW/AdamS): the quality benchmark's
-# learning rate, and its batch of the options table (docs/benchmarks.md, Quality); at W = 4 the global batch,
-# 32 x 128, is benchmarks/quality.py's. The step-time mode's 4 x 128 at 2e-3 is noisy (train losses jump by
+# 8 x 128 tokens per rank at peak 1.5e-3 (20 ramp steps, cosine to 0, AdamW/AdamS): the quality benchmark's
+# learning rate, tuned for dense AdamS (docs/benchmarks.md, Quality); at W = 4 the global batch, 32 x 128, is
+# benchmarks/quality.py's. The step-time mode's 4 x 128 at 2e-3 is noisy (train losses jump by
 # 0.2 from step to step); quality.py's 16 x 128 per rank doubles the compute of every step, which on this
 # machine halves the steps an hour holds for the base model (80 instead of 150 at 100 Mbit/s, measured), below
 # SCAPE's default dense warm-up of 100 steps. docs/benchmarks.md (Time to loss) has the measurements.
 BATCH_SIZE = 8
 BLOCK_SIZE = 128
-PEAK_LR = 3e-3
+PEAK_LR = 1.5e-3
 LR_WARMUP = 20
 EVAL_BATCHES = 8  # 8 x 16 windows of 128 bytes: 16k validation tokens, the same windows for every method
 EVAL_POINTS = 15  # evaluations per run (plus the one before the first step) when --eval-every is not given
@@ -83,6 +83,7 @@ EVAL_POINTS = 15  # evaluations per run (plus the one before the first step) whe
 # model, so that the target loss is the same on every link and only the time per step differs.
 BUDGETS: dict[tuple[str, int], tuple[int, int]] = {
     ("base", 2): (150, 10),
+    ("small", 2): (1200, 50),
     ("small", 4): (750, 50),
 }
 
