@@ -8,8 +8,8 @@ The machinery of ``benchmarks.network.run`` (hosts in network namespaces behind 
 ``netns.py``; every method in the same W processes, one optimizer step each per round in rotating order,
 barrier between, ``worker.py``), with training long enough for the loss to flatten: every method trains the
 same model from the same initial weights on the same batches for the same step budget, under the quality
-benchmark's cosine learning rate (peak 1.5e-3, 20 ramp steps, 0 at the last step) and batch (16 x 128 tokens
-per rank), and is evaluated on the same fixed validation batches (``lightning_scape.workloads``) before
+benchmark's cosine learning rate (peak 1.5e-3, 20 ramp steps, 0 at the last step), 8 x 128 tokens per rank
+and step, and is evaluated on the same fixed validation batches (``lightning_scape.workloads``) before
 the first step, every ``--eval-every`` steps and after the last, in the same rounds, outside the clock.
 
 A method's wall-clock is the sum of its measured step times (each step: the slowest rank). Within a round
