@@ -6,13 +6,14 @@ strategies, the simulation and the benchmarks only drive it:
     engine = ScapeEngine(AdamS(model.parameters()), ScapeConfig(density=0.01), communicator)
     for batch in data:
         loss = model(batch); loss.backward()   # bucket collectives launch from grad hooks
-        engine.step()                          # wait, AdamS on the mask, gather, next mask
+        engine.step()                          # wait, update the masked slots, gather, next mask
         engine.zero_grad()
 
 The modules, one per mechanism: :mod:`~lightning_scape.engine.buckets` (each bucket's tensors),
+:mod:`~lightning_scape.engine.step` (one step in flight: launches, waits, norm, finiteness),
 :mod:`~lightning_scape.engine.feedback` (error feedback and compaction), :mod:`~lightning_scape.engine.update`
-(the AdamS updates and their hyperparameters), :mod:`~lightning_scape.engine.masks` (the mask schedule) and
-:mod:`~lightning_scape.engine.state` (checkpoints). This module holds the construction, the gradient hooks
+(the dense and interval updates and their hyperparameters), :mod:`~lightning_scape.engine.masks` (the mask
+schedule) and :mod:`~lightning_scape.engine.state` (checkpoints and re-sharding). This module holds the construction, the gradient hooks
 and :meth:`ScapeEngine.step`, written as the step's communication schedule.
 """
 
