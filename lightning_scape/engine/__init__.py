@@ -11,10 +11,11 @@ strategies, the simulation and the benchmarks only drive it:
 
 The modules, one per mechanism: :mod:`~lightning_scape.engine.buckets` (each bucket's tensors),
 :mod:`~lightning_scape.engine.step` (one step in flight: launches, waits, norm, finiteness),
-:mod:`~lightning_scape.engine.feedback` (error feedback and compaction), :mod:`~lightning_scape.engine.update`
-(the dense and interval updates and their hyperparameters), :mod:`~lightning_scape.engine.masks` (the mask
-schedule) and :mod:`~lightning_scape.engine.state` (checkpoints and re-sharding). This module holds the construction, the gradient hooks
-and :meth:`ScapeEngine.step`, written as the step's communication schedule.
+:mod:`~lightning_scape.engine.feedback` (error feedback and compaction),
+:mod:`~lightning_scape.engine.update` (the dense and interval updates and their hyperparameters),
+:mod:`~lightning_scape.engine.masks` (the mask schedule) and :mod:`~lightning_scape.engine.state`
+(checkpoints and re-sharding). This module holds the construction, the gradient hooks and
+:meth:`ScapeEngine.step`, written as the step's communication schedule.
 """
 
 from __future__ import annotations
