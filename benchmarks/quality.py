@@ -77,6 +77,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "ramp_linear": {"density_ramp_shape": "linear"},
     "warmup50": {"dense_warmup_steps": 50},
     "warmup200": {"dense_warmup_steps": 200},
+    "warmup50_ramp300": {"dense_warmup_steps": 50, "density_ramp_steps": 300},
+    "warmup30_ramp400": {"dense_warmup_steps": 30, "density_ramp_steps": 400},
     # How far a coordinate catches up at once (steps at the peak learning rate).
     "cap8": {"catch_up_cap": 8.0},
     "cap32": {"catch_up_cap": 32.0},
@@ -101,7 +103,13 @@ TABLES: dict[str, list[tuple[list[str], list[str], int, list[int], str, int]]] =
     "horizons": [([DENSE, "default"], ["stdlib", "prose"], 300, [0, 1], "small", 16)],
     "long": [([DENSE, "default"], ["stdlib", "prose"], 3000, [0], "small", 16)],
     "catch_up": [([DENSE, "default", "no_cap", "cap8", "cap32", "cap64"], *_STD)],
-    "schedule": [([DENSE, "default", "no_ramp", "ramp100", "ramp400", "ramp_linear", "warmup50", "warmup200"], *_STD)],
+    "schedule": [
+        (
+            [DENSE, "default", "no_ramp", "ramp100", "ramp400", "ramp_linear", "warmup50", "warmup200",
+             "warmup50_ramp300", "warmup30_ramp400"],
+            *_STD,
+        )
+    ],
     "mask": [([DENSE, "default", "gradient_stat", "random_stat", "explore0", "explore0.3", "replicated"], *_STD)],
     "density": [([DENSE, "default", "d0.02", "d0.04", "d0.1"], *_STD)],
     "scale": [

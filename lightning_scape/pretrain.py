@@ -163,8 +163,7 @@ def pretrain(
         comm_log_interval=comm_log_interval,
         hyperparameters=_hyperparameters,
     )
-    if compile is None:
-        compile = fabric.device.type == "cuda"
+    compile = fabric.device.type == "cuda" if compile is None else compile
     fabric.print(f"compile: {'on' if compile else 'off'} (torch.compile{'' if compile else ' is a no-op'})")
     with _litgpt_adapted(
         litgpt_pretrain,
