@@ -82,7 +82,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "warmup30_ramp400": {"dense_warmup_steps": 30, "density_ramp_steps": 400},
     # How far a coordinate catches up at once (steps at the peak learning rate).
     "cap8": {"catch_up_cap": 8.0},
-    "cap32": {"catch_up_cap": 32.0},
+    "cap16": {"catch_up_cap": 16.0},
     "cap64": {"catch_up_cap": 64.0},
     "no_cap": {"catch_up_cap": 1e9},
     # The mask.
@@ -109,7 +109,7 @@ TABLES: dict[str, list[tuple[list[str], list[str], int, list[int], str, int]]] =
     "headline": [([DENSE, "default"], ["stdlib", "prose"], 1000, [0, 1], "small", 16)],
     "horizons": [([DENSE, "default"], ["stdlib", "prose"], 300, [0, 1], "small", 16)],
     "long": [([DENSE, "default"], ["stdlib", "prose"], 3000, [0], "small", 16)],
-    "catch_up": [([DENSE, "default", "no_cap", "cap8", "cap32", "cap64"], *_STD)],
+    "catch_up": [([DENSE, "default", "no_cap", "cap8", "cap16", "cap64"], *_STD)],
     "schedule": [
         (
             [DENSE, "default", "no_ramp", "ramp100", "ramp400", "ramp_linear", "warmup50", "warmup200",

@@ -88,7 +88,7 @@ class ScapeConfig:
     mask_refresh_interval: int = 1
     mask_statistic: MaskStatistic = "momentum"
     exploration: float = 0.1
-    catch_up_cap: float = 16.0
+    catch_up_cap: float = 32.0
     bucket_cap_mb: float = 25.0
     seed: int = 0
     collective_timeout_s: float = 1800.0
