@@ -66,25 +66,30 @@ PEAK_LR = 1.5e-3
 CLIP = 1.0
 EVAL_BATCHES = 16  # 16 x 16 windows of 128 bytes: 32k validation tokens, the same for every run
 
+# The schedule the option tables (catch_up, sparse_lr) vary one field around: a 100-step dense warm-up and a
+# 200-step geometric density ramp, every other field the package's default.
+_W100_R200: dict[str, Any] = {"dense_warmup_steps": 100, "density_ramp_steps": 200}
+
 # Named configurations: ScapeConfig overrides of the package defaults. ``dense`` all-reduces every gradient
 # every step (what DDP sends) and steps AdamS: the baseline every ratio is taken against.
 CONFIGS: dict[str, dict[str, Any]] = {
     DENSE: {"sharded": False, "dense_warmup_steps": 10**9},
     "default": {},
-    # The schedule: the dense warm-up and the density ramp after it.
-    "no_ramp": {"density_ramp_steps": 0},
-    "ramp100": {"density_ramp_steps": 100},
-    "ramp400": {"density_ramp_steps": 400},
-    "ramp_linear": {"density_ramp_shape": "linear"},
-    "warmup50": {"dense_warmup_steps": 50},
-    "warmup200": {"dense_warmup_steps": 200},
-    "warmup50_ramp300": {"dense_warmup_steps": 50, "density_ramp_steps": 300},
-    "warmup30_ramp400": {"dense_warmup_steps": 30, "density_ramp_steps": 400},
-    # How far a coordinate catches up at once (steps at the peak learning rate).
-    "cap8": {"catch_up_cap": 8.0},
-    "cap16": {"catch_up_cap": 16.0},
-    "cap64": {"catch_up_cap": 64.0},
-    "no_cap": {"catch_up_cap": 1e9},
+    # The schedule: w dense warm-up steps, then a geometric (or linear) density ramp of r steps.
+    "w100_r0": {"dense_warmup_steps": 100, "density_ramp_steps": 0},
+    "w100_r100": {"dense_warmup_steps": 100, "density_ramp_steps": 100},
+    "w100_r200": _W100_R200,
+    "w100_r400": {"dense_warmup_steps": 100, "density_ramp_steps": 400},
+    "w100_r200_linear": {**_W100_R200, "density_ramp_shape": "linear"},
+    "w50_r200": {"dense_warmup_steps": 50, "density_ramp_steps": 200},
+    "w200_r200": {"dense_warmup_steps": 200, "density_ramp_steps": 200},
+    "w50_r300": {"dense_warmup_steps": 50, "density_ramp_steps": 300},
+    "w30_r400": {"dense_warmup_steps": 30, "density_ramp_steps": 400},
+    # How far a coordinate catches up at once (steps at the peak learning rate; the package's default is 32).
+    "cap8": {**_W100_R200, "catch_up_cap": 8.0},
+    "cap16": {**_W100_R200, "catch_up_cap": 16.0},
+    "cap64": {**_W100_R200, "catch_up_cap": 64.0},
+    "no_cap": {**_W100_R200, "catch_up_cap": 1e9},
     # The mask.
     "gradient_stat": {"mask_statistic": "gradient"},
     "random_stat": {"mask_statistic": "random"},
@@ -96,8 +101,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "d0.1": {"density": 0.1},
     "replicated": {"sharded": False},
     # The learning rate of the sparse steps (the package has no such option; the benchmark scales the cosine).
-    "sparse_lr1.5": {},
-    "sparse_lr2": {},
+    "sparse_lr1.5": _W100_R200,
+    "sparse_lr2": _W100_R200,
 }
 # Configurations whose learning rate the benchmark multiplies by this factor in the sparse steps (after the
 # dense steps of the schedule): does the sparse phase want a larger step than dense AdamS's tuned one?
@@ -105,21 +110,17 @@ SPARSE_LR_SCALE: dict[str, float] = {"sparse_lr1.5": 1.5, "sparse_lr2": 2.0}
 # The tables of docs/benchmarks.md: (configurations, corpora, steps, seeds, model preset, batch per rank). Runs
 # that several tables share (dense and default at 1000 steps) are trained once: the runs file holds them.
 _STD = (["stdlib"], 1000, [0], "small", 16)
+_SCHEDULES = ["w100_r0", "w100_r100", "w100_r200", "w100_r400", "w100_r200_linear", "w50_r200", "w200_r200",
+              "w50_r300", "w30_r400"]  # fmt: skip
 TABLES: dict[str, list[tuple[list[str], list[str], int, list[int], str, int]]] = {
     "headline": [([DENSE, "default"], ["stdlib", "prose"], 1000, [0, 1], "small", 16)],
     "horizons": [([DENSE, "default"], ["stdlib", "prose"], 300, [0, 1], "small", 16)],
     "long": [([DENSE, "default"], ["stdlib", "prose"], 3000, [0], "small", 16)],
-    "catch_up": [([DENSE, "default", "no_cap", "cap8", "cap16", "cap64"], *_STD)],
-    "schedule": [
-        (
-            [DENSE, "default", "no_ramp", "ramp100", "ramp400", "ramp_linear", "warmup50", "warmup200",
-             "warmup50_ramp300", "warmup30_ramp400"],
-            *_STD,
-        )
-    ],
+    "schedule": [([DENSE, "default", *_SCHEDULES], *_STD)],
+    "catch_up": [([DENSE, "w100_r200", "no_cap", "cap8", "cap16", "cap64"], *_STD)],
+    "sparse_lr": [([DENSE, "w100_r200", "sparse_lr1.5", "sparse_lr2"], *_STD)],
     "mask": [([DENSE, "default", "gradient_stat", "random_stat", "explore0", "explore0.3", "replicated"], *_STD)],
     "density": [([DENSE, "default", "d0.02", "d0.04", "d0.1"], *_STD)],
-    "sparse_lr": [([DENSE, "default", "sparse_lr1.5", "sparse_lr2"], *_STD)],
     "scale": [
         ([DENSE, "default"], ["stdlib"], 1000, [0], "base", 16),
         ([DENSE, "default"], ["stdlib"], 1000, [0], "small", 64),
@@ -303,9 +304,10 @@ def write_report(out: str, done: dict[str, dict[str, Any]]) -> str:
     in_tables: set[str] = set()
     for name in TABLES:
         runs = planned(name, argparse.Namespace())
+        new = any(r.key in done and r.key not in in_tables for r in runs)  # not only rows shown above
         in_tables.update(r.key for r in runs)
         rows = table_rows(runs, done)
-        if rows:
+        if rows and new:
             lines += ["", f"### {name} (`python benchmarks/quality.py --table {name}`)", "", *HEADER, *rows]
     others = [Run(**{k: rec[k] for k in Run.__dataclass_fields__}) for key, rec in done.items() if key not in in_tables]
     rows = table_rows(others, done)

@@ -183,8 +183,8 @@ def _all_dense(config: ScapeConfig, steps: int) -> str:
         f"all sent dense by SCAPE's warm-up (dense_warmup_steps={config.dense_warmup_steps}, and the first "
         f"{config.dense_steps - config.dense_warmup_steps} of density_ramp_steps={config.density_ramp_steps}): "
         "every step sends the whole gradient, as DDP does, and no step is sparse. For a run this short pass a "
-        f"smaller warm-up, e.g. ScapeStrategy(dense_warmup_steps={max(1, steps // 10)}, "
-        f"density_ramp_steps={max(0, steps // 5)})."
+        f"smaller warm-up, e.g. ScapeStrategy(dense_warmup_steps={max(1, steps * 3 // 100)}, "
+        f"density_ramp_steps={steps * 2 // 5})."
     )
 
 

@@ -40,15 +40,18 @@ class ScapeConfig:
             parameter) and sends reduce-scatter + parameter all-gather + mask indices. False keeps the
             full momentum on every rank and sends one all-reduce of the values, no parameters or
             indices; use it when memory is plentiful.
-        dense_warmup_steps: Optimizer steps run as dense data-parallel AdamS before the first mask.
-            The momentum built there seeds the first mask; a few hundred steps (about 1% of a run) is
-            typical, 0 starts sparse at once with an all-zero statistic (and no density ramp).
+        dense_warmup_steps: Optimizer steps run as dense data-parallel AdamS before the density ramp. The
+            momentum built there seeds the first mask. At equal bytes, ramp steps buy more quality than
+            dense ones (``docs/algorithm.md`` section 7): keep this short and the ramp long. 0 starts sparse
+            at once with an all-zero statistic (and no density ramp).
         density_ramp_steps: Steps after the dense warm-up over which the density falls from 1 to ``density``
             (the ramp is part of the warm-up: with ``dense_warmup_steps=0`` there is none). Ramp steps denser
             than 1/4 are sent dense (a sparse step that dense would send as many bytes and need compact buffers
             as large as the gradient), so with the default shape the first 30% of the ramp is dense. A mask
             keeps the density of the step it was built for. The ramp is what the sparse phase needs to start
-            well: 200 steps cost about 70 dense steps' bytes (``docs/algorithm.md`` section 7).
+            well: the default 400 steps cost about 146 dense steps' bytes, and with the 30 warm-up steps a
+            1000-step run sends 19% of DDP's bytes (``docs/algorithm.md`` section 7). Shorten both for runs of
+            less than about 2000 steps if bytes matter more than the last percent of loss.
         density_ramp_shape: ``"geometric"`` (the density falls by the same factor every step) or
             ``"linear"``.
         mask_delay: A mask built at the end of step t is used at step t + mask_delay. 1 (the paper's
@@ -81,8 +84,8 @@ class ScapeConfig:
     density: float = 0.01
     chunk_size: int = 4096
     sharded: bool = True
-    dense_warmup_steps: int = 100
-    density_ramp_steps: int = 200
+    dense_warmup_steps: int = 30
+    density_ramp_steps: int = 400
     density_ramp_shape: RampShape = "geometric"
     mask_delay: int = 1
     mask_refresh_interval: int = 1

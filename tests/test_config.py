@@ -40,9 +40,9 @@ def test_defaults_follow_the_spec() -> None:
     assert cfg.mask_delay == 1 and cfg.mask_refresh_interval == 1 and cfg.mask_statistic == "momentum"
     assert cfg.exploration == 0.1
     # Settled by benchmarks/quality.py (docs/algorithm.md section 7).
-    assert cfg.catch_up_cap == 32.0 and cfg.dense_warmup_steps == 100 and cfg.density_ramp_steps == 200
-    # The ramp's steps denser than 1/4 are sent dense: 0.01 ** (s / 200) > 1/4 for s <= 60.
-    assert cfg.dense_steps == 160 and cfg.slots_at(161) == round(0.01 ** (61 / 200) * 4096) == 1005
+    assert cfg.catch_up_cap == 32.0 and cfg.dense_warmup_steps == 30 and cfg.density_ramp_steps == 400
+    # The ramp's steps denser than 1/4 are sent dense: 0.01 ** (s / 400) > 1/4 for s <= 120.
+    assert cfg.dense_steps == 150 and cfg.slots_at(151) == round(0.01 ** (121 / 400) * 4096) == 1017
     # k_c = round(d C) = round(40.96) = 41 slots; k_e = round(0.1 * 41) = 4.
     assert cfg.slots_per_chunk == 41 and cfg.explore_slots_per_chunk == 4
     assert cfg.effective_density == pytest.approx(41 / 4096)

@@ -33,7 +33,7 @@ def test_the_page_opens_with_the_trainer_and_the_fabric_example() -> None:
     assert headings[:2] == ["A first run with the Trainer", "A first run with Fabric"]
     assert tuple(_examples()) == EXAMPLES
     for code, _ in _examples().values():  # the default warm-up, in the first example a user reads
-        assert "dense_warmup_steps=100,  # the default" in code and "density_ramp_steps=200,  # the default" in code
+        assert "dense_warmup_steps=30,  # the default" in code and "density_ramp_steps=400,  # the default" in code
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +67,14 @@ def test_the_example_runs_and_prints_the_bytes_the_page_shows(
     assert [m.group(0) for m in BYTES_LINE.finditer(run.stdout)] == shown and len(shown) == 2, run.stdout
     printed = {m.group(1): (int(m.group(2).replace(",", "")), int(m.group(3).replace(",", "")))
                for m in BYTES_LINE.finditer(run.stdout)}  # fmt: skip
-    # DDP's 2 (W-1)/W N b for the 2,177 parameters, W = 2: per step, and over the 300 steps.
+    # DDP's 2 (W-1)/W N b for the 2,177 parameters, W = 2: per step, and over the 500 steps.
     ddp_step = 2 * 1 * 2_177 * 4 // 2
-    assert printed["last step"][1] == ddp_step and printed["whole run"][1] == 300 * ddp_step
-    # A sparse step sends ~1% of the values with indices and parameters; the 100 warm-up steps and the first 60
+    assert printed["last step"][1] == ddp_step and printed["whole run"][1] == 500 * ddp_step
+    # A sparse step sends ~1% of the values with indices and parameters; the 30 warm-up steps and the first 120
     # of the ramp send DDP's bytes (the chunks are sized to this small model, so no padding is sent), the other
-    # 140 ramp steps at most 1/4 of the values with their indices and parameters: (4 + 4 + 2) / 4 bytes each.
+    # 280 ramp steps and the 70 after it at most 1/4 of the values with their indices and parameters:
+    # (4 + 4 + 2) / 4 bytes each.
     assert printed["last step"][0] < ddp_step / 50
-    assert 160 * ddp_step < printed["whole run"][0] < 160 * ddp_step + 140 * 2_177 * 10 // 4 // 2
+    assert 150 * ddp_step < printed["whole run"][0] < 150 * ddp_step + 350 * 2_177 * 10 // 4 // 2
     assert "then 1.01% of the coordinates per step (effective density; density=0.01)" in run.stderr
     assert "dense_warmup_steps=" not in run.stderr.replace("(dense_warmup_steps)", "")  # no warm-up warning

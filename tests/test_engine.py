@@ -298,7 +298,7 @@ def _dense_step_bytes(rank: int, comm: Communicator, numel: int, sharded: bool) 
     model(torch.randn(4, 16)).square().mean().backward()
     engine.step()
     engine.close()
-    assert engine.in_warmup  # the shipped default: 100 dense steps
+    assert engine.in_warmup  # the shipped default: 30 dense warm-up steps
     return engine.numel, engine.counters.total_sent["dense"], engine.counters.total_dense_equivalent
 
 

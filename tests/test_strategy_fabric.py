@@ -150,7 +150,7 @@ def test_registered_name_with_default_configuration(fabric_runs: str) -> None:
 
 def test_a_run_that_ends_inside_the_dense_warmup_is_told_once(fabric_runs: str) -> None:
     (message,), rank1 = [o["warmup_warnings"] for o in runs(fabric_runs, "f_default")]
-    assert "ended after 2 optimizer steps" in message and "dense_warmup_steps=100" in message and not rank1
+    assert "ended after 2 optimizer steps" in message and "dense_warmup_steps=30" in message and not rank1
     # A run that leaves its warm-up (2 dense steps of 8) hears nothing.
     assert all(not o["warmup_warnings"] for o in runs(fabric_runs, "f_main"))
 

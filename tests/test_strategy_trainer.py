@@ -242,7 +242,7 @@ def test_registered_name_with_default_configuration(trainer_runs: str) -> None:
 
 def test_a_fit_inside_the_dense_warmup_is_told_once_before_it_starts(trainer_runs: str) -> None:
     (message,), rank1 = [o["warmup_warnings"] for o in runs(trainer_runs, "default")]
-    assert "this run has 2 optimizer steps" in message and "dense_warmup_steps=100" in message and not rank1
+    assert "this run has 2 optimizer steps" in message and "dense_warmup_steps=30" in message and not rank1
     # A fit that leaves its warm-up (2 dense steps of 4) hears nothing.
     assert all(not o["warmup_warnings"] for o in runs(trainer_runs, "main"))
 

@@ -271,15 +271,15 @@ def _stepped_engine(config: ScapeConfig, steps: int) -> ScapeEngine:
 
 
 def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None:
-    default = ScapeConfig()  # 100 dense warm-up steps, then 60 dense steps of the density ramp
+    default = ScapeConfig()  # 30 dense warm-up steps, then 120 dense steps of the density ramp
     with pytest.warns(UserWarning) as before:
         notice = wiring.WarmupNotice()
         notice.before_run(default, 30.0)  # the Trainer knows the length: the warning comes before the first step
         notice.after_run(_stepped_engine(default, 30))
     (message,) = [str(w.message) for w in before]
-    assert "30 optimizer steps" in message and "dense_warmup_steps=100" in message
-    assert "the first 60 of density_ramp_steps=200" in message
-    assert "ScapeStrategy(dense_warmup_steps=3, density_ramp_steps=6)" in message
+    assert "30 optimizer steps" in message and "dense_warmup_steps=30" in message
+    assert "the first 120 of density_ramp_steps=400" in message
+    assert "ScapeStrategy(dense_warmup_steps=1, density_ramp_steps=12)" in message
 
     with pytest.warns(UserWarning) as after:  # Fabric: at the end (teardown, or when the process exits)
         notice = wiring.WarmupNotice()
@@ -302,7 +302,7 @@ def test_the_engine_line_states_the_warmup_and_the_effective_density() -> None:
     big = torch.nn.Linear(1024, 1024)
     engine = ScapeEngine(AdamS(big.parameters(), lr=LR), ScapeConfig(), param_order=list(big.parameters()))
     line = wiring.describe_engine(engine)
-    assert "1,049,600 parameters in 1 bucket" in line and "first 100 steps dense (dense_warmup_steps)" in line
+    assert "1,049,600 parameters in 1 bucket" in line and "first 30 steps dense (dense_warmup_steps)" in line
     assert "1.00% of the coordinates per step (effective density; density=0.01)" in line and "small" not in line
     # The tiny net at the default chunk size would be mostly padding: its buckets get chunks sized to them,
     # and the line says so (its 88 biases get 1 slot: 1.1%).

@@ -67,7 +67,7 @@ TARGET_FACTORS: tuple[float, ...] = (1.0, 1.05)
 # benchmarks/quality.py's. The step-time mode's 4 x 128 at 2e-3 is noisy (train losses jump by
 # 0.2 from step to step); quality.py's 16 x 128 per rank doubles the compute of every step, which on this
 # machine halves the steps an hour holds for the base model (80 instead of 150 at 100 Mbit/s, measured), below
-# SCAPE's default dense warm-up of 100 steps. docs/benchmarks.md (Time to loss) has the measurements.
+# SCAPE's 150 dense steps at the defaults. docs/benchmarks.md (Time to loss) has the measurements.
 BATCH_SIZE = 8
 BLOCK_SIZE = 128
 PEAK_LR = 1.5e-3
