@@ -143,7 +143,7 @@ def _train(fabric: L.Fabric, args: DemoArgs, method: str, tokens_file: str, voca
     # exits with the engine's last all-gather in flight and gloo's threads running can abort.
     with warnings.catch_warnings():
         if method == "dense":  # dense on purpose: its "warm-up" is longer than the run
-            warnings.filterwarnings("ignore", message=".*inside SCAPE's dense warm-up")
+            warnings.filterwarnings("ignore", message=".*all sent dense by SCAPE's warm-up")
         fabric.strategy.teardown()
     torch.distributed.destroy_process_group()
     return result if fabric.is_global_zero else None
