@@ -26,7 +26,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from quality import BLOCK, CLIP, PEAK_LR, scape_config  # type: ignore[import-not-found]
+from quality import _INIT_LOCK, BLOCK, CLIP, PEAK_LR, scape_config  # type: ignore[import-not-found]
 from torch import Tensor
 
 import lightning_scape.kernels as K
@@ -60,8 +60,7 @@ class SendLog:
         _, capped = _interval_update(m_prev, g, tau, h)
         _, free = _interval_update(m_prev, g, tau, dataclasses.replace(h, catch_up_cap=math.inf))
         # tau = 1 takes AdamS's own step (bounded by B by construction): the cap never applies there.
-        again = tau == 1
-        capped, free = torch.where(again, free, capped), free
+        capped = torch.where(tau == 1, free, capped)
         block = (h.step - 1) // BLOCK_STEPS
         with self.lock:
             self.taus[block].append(tau)
@@ -88,11 +87,10 @@ def main(argv: list[str] | None = None) -> None:
         sparse_adams(param, momentum, last_sent, gbar, mask, chunk, out, hyper)
 
     K.sparse_adams = logged  # the engine calls the op through the module
-    init_lock = threading.Lock()
 
     def train(rank: int, comm: Communicator) -> list[float]:
         torch.set_num_threads(1)
-        with init_lock:
+        with _INIT_LOCK:  # the simulated ranks share torch's global generator
             model = build_model(BLOCK, preset="small", seed=0)
         opt = adams_optimizer(model, PEAK_LR)
         engine = ScapeEngine(opt, config, comm, list(model.parameters()))

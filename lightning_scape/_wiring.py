@@ -145,6 +145,10 @@ def _count(n: int, noun: str) -> str:
 # --------------------------------------------------------------------------------- the dense warm-up
 
 
+class DenseWarmupWarning(UserWarning):
+    """The warning of :class:`WarmupNotice`: a run that never leaves SCAPE's dense steps (filter it by category)."""
+
+
 class WarmupNotice:
     """Says once, on rank 0, that a run is too short to leave its dense warm-up.
 
@@ -165,7 +169,10 @@ class WarmupNotice:
         if steps > config.dense_steps:
             return
         self.given = True
-        rank_zero_warn(f"lightning_scape: this run has {steps} optimizer steps, {_all_dense(config, steps)}")
+        rank_zero_warn(
+            f"lightning_scape: this run has {steps} optimizer steps, {_all_dense(config, steps)}",
+            category=DenseWarmupWarning,
+        )
 
     def after_run(self, engine: ScapeEngine) -> None:
         """Warn if ``engine`` stepped, but never sparsely."""
@@ -174,7 +181,8 @@ class WarmupNotice:
         self.given = True
         rank_zero_warn(
             f"lightning_scape: the run ended after {engine.step_count} optimizer steps, "
-            + _all_dense(engine.config, engine.step_count)
+            + _all_dense(engine.config, engine.step_count),
+            category=DenseWarmupWarning,
         )
 
 

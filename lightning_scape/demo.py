@@ -31,6 +31,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from lightning_scape._wiring import DenseWarmupWarning
 from lightning_scape.config import ScapeConfig
 from lightning_scape.data import TextFolder
 from lightning_scape.engine import ScapeEngine
@@ -143,7 +144,7 @@ def _train(fabric: L.Fabric, args: DemoArgs, method: str, tokens_file: str, voca
     # exits with the engine's last all-gather in flight and gloo's threads running can abort.
     with warnings.catch_warnings():
         if method == "dense":  # dense on purpose: its "warm-up" is longer than the run
-            warnings.filterwarnings("ignore", message=".*all sent dense by SCAPE's warm-up")
+            warnings.simplefilter("ignore", DenseWarmupWarning)
         fabric.strategy.teardown()
     torch.distributed.destroy_process_group()
     return result if fabric.is_global_zero else None

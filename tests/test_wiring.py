@@ -277,6 +277,7 @@ def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None
         notice.before_run(default, 30.0)  # the Trainer knows the length: the warning comes before the first step
         notice.after_run(_stepped_engine(default, 30))
     (message,) = [str(w.message) for w in before]
+    assert [w.category for w in before] == [wiring.DenseWarmupWarning]  # what the demo's dense baseline filters
     assert "30 optimizer steps" in message and "dense_warmup_steps=30" in message
     assert "the first 120 of density_ramp_steps=400" in message
     assert "ScapeStrategy(dense_warmup_steps=1, density_ramp_steps=12)" in message
