@@ -168,6 +168,8 @@ def test_command_line_budget_and_methods() -> None:
     assert (ns.steps, ns.eval_every) == BUDGETS[("base", 2)]
     ns = parse_args(["--steps", "30", "--eval-every", "10", "--scape-set", "dense_warmup_steps=5"])
     assert (ns.steps, ns.eval_every, ns.scape_overrides) == (30, 10, {"dense_warmup_steps": 5})
+    assert ns.scape_steps == 30  # SCAPE's budget is --steps unless given
+    assert parse_args(["--steps", "30", "--scape-steps", "45"]).scape_steps == 45
     assert parse_args(["--steps", "300"]).eval_every == 20
     with pytest.raises(SystemExit):
         parse_args(["--model", "tiny", "--world-size", "3"])  # no sized budget: --steps N is required
@@ -179,7 +181,8 @@ def test_command_line_budget_and_methods() -> None:
 
 @pytest.mark.dist
 def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
-    """Every method, 4 steps, validation every 2: outputs exist, targets computed, plots written, marked loopback."""
+    """Every method, 4 steps (SCAPE 6), validation every 2: outputs exist, targets computed, plots written, marked
+    loopback."""
     cmd = [
         sys.executable,
         "-m",
@@ -189,6 +192,8 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
         "tiny",
         "--steps",
         "4",
+        "--scape-steps",
+        "6",
         "--eval-every",
         "2",
         "--eval-batches",
@@ -228,20 +233,24 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
     # Same initial weights and batch: the first step's training loss is the same for every method.
     first = {round(p["train_loss"][0], 4) for p in per.values()}
     assert len(first) == 1, first
+    scape = ("scape_default_d0.01", "scape_default_d0.1", "scape_default_gradient_d0.01")
     for name, p in per.items():
-        assert p["steps"] == 4 and p["total_s"] > 0 and p["sent_bytes_run"] > 0, name
+        budget = 6 if name in scape else 4  # --scape-steps: SCAPE trains longer, each method on its own cosine
+        assert p["steps"] == budget and p["total_s"] > 0 and p["sent_bytes_run"] > 0, name
+        assert [q["step"] for q in p["points"]] == list(range(0, budget + 1, 2)), name
         assert all(math.isfinite(q["loss"]) for q in p["points"]), name
         assert p["to_1.00_reached"] == math.isfinite(p["to_1.00_time_s"]), name
-    for name in ("scape_default_d0.01", "scape_default_d0.1", "scape_default_gradient_d0.01"):
+    for name in scape:
         assert per[name]["config"]["dense_warmup_steps"] == 2  # --scape-set reached the workers
         assert per[name]["config"]["catch_up_cap"] == ScapeConfig().catch_up_cap  # the rest: package defaults
     md = (tmp_path / "results.md").read_text()
     assert "LOOPBACK, NO RATE LIMIT" in md and "Target L*" in md and "Sizing:" in md
     headline = (tmp_path / "headline.md").read_text()
-    assert "loopback, NO LIMIT" in headline and "```bash" not in headline  # README keeps its two bash blocks
+    assert "loopback, NO LIMIT" in headline and "(4; SCAPE 6)" in headline
+    assert "```bash" not in headline  # README keeps its two bash blocks
     with open(tmp_path / "curves.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 3 * len(TTL_METHODS)
+    assert len(rows) == 3 * (len(TTL_METHODS) - len(scape)) + 4 * len(scape)
     for png in ("loopback/val_loss_vs_time.png", "loopback/val_loss_vs_step.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
 

@@ -388,7 +388,7 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
         f"## {prof['profile']}: W = {prof['world_size']}, `{prof['model']}` model",
         "",
         f"{rate}; measured TCP goodput rank 0 -> 1: {_fmt(tput / 1e6 if tput else math.nan, '.0f')} Mbit/s. "
-        f"{prof['steps']} steps of W x {prof['batch_size']} x {prof['block_size']} tokens, validation every "
+        f"{_budget(prof)} of W x {prof['batch_size']} x {prof['block_size']} tokens, validation every "
         f"{prof['eval_every']} steps; profile wall-clock {prof['wall_s'] / 60:.1f} min (evaluations included).",
         f"Target L* = DDP + AdamW's final validation loss = **{t1:.4f}**; 1.05 L* = {t105:.4f}. "
         f"DDP + AdamW's run: {_secs(s['ddp_total_s'])} s; the fastest run: {fastest}, "
@@ -440,6 +440,14 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
     return md
 
 
+def _budget(facts: dict[str, Any], short: bool = False) -> str:
+    """The step budgets: ``steps``, and SCAPE's where it differs."""
+    steps, scape = facts["steps"], facts.get("scape_steps", facts["steps"])
+    if scape == steps:
+        return f"{steps}" if short else f"{steps} steps"
+    return f"{steps}; SCAPE {scape}" if short else f"{steps} steps ({scape} for SCAPE, over its own cosine)"
+
+
 def sizing_line(prof: dict[str, Any]) -> str:
     """How long a round and an evaluation took, and the step budget that would fill an hour at that pace."""
     s = prof["summary"]
@@ -447,10 +455,10 @@ def sizing_line(prof: dict[str, Any]) -> str:
     setup = s.get("setup_s", math.nan)
     if not rnd or math.isnan(rnd):
         return "Sizing: no round times recorded."
-    evals_per_step = n_ev / max(1, prof["steps"])
+    evals_per_step = n_ev / max(1, prof["steps"], prof.get("scape_steps", 0))
     fit = (3600.0 - (setup if not math.isnan(setup) else 0.0)) / (rnd + evals_per_step * ev)
     return (
-        f"Sizing: a round (one step of every method, barriers included) took {rnd:.2f} s on average "
+        f"Sizing: a round (one step of every method still training, barriers included) took {rnd:.2f} s on average "
         f"(median {s['round_s_median']:.2f} s), an evaluation of every method {_fmt(ev, '.1f')} s ({n_ev} of them), "
         f"the workers' set-up {_fmt(setup, '.0f')} s: at this pace an hour holds about {fit:.0f} steps with "
         f"validation as often."
@@ -502,7 +510,7 @@ def headline_table(runs: Sequence[dict[str, Any]]) -> list[str]:
             ddp = per[DDP]
             cells = [
                 prof["profile"] if r["emulated"] else "loopback, NO LIMIT",
-                f"{r['world_size']}, {r['model']} ({r['steps']})",
+                f"{r['world_size']}, {r['model']} ({_budget(_run_facts(r), short=True)})",
                 f"{ddp['final_val_loss']:.3f}, {_secs(ddp['total_s'])} s",
             ]
             for m in present:
@@ -586,14 +594,15 @@ def write_report(runs: Sequence[dict[str, Any]], out: str, merged: bool = False)
 
 
 def _run_facts(r: dict[str, Any]) -> dict[str, Any]:
-    return {k: r[k] for k in ("world_size", "model", "steps", "batch_size", "block_size", "eval_every")}
+    facts = {k: r[k] for k in ("world_size", "model", "steps", "batch_size", "block_size", "eval_every")}
+    return {**facts, "scape_steps": r.get("scape_steps", r["steps"])}
 
 
 def headline_markdown(runs: Sequence[dict[str, Any]]) -> list[str]:
     """The README snippet: the table, what it measures, the commands and the machine."""
     loop = any(not r["emulated"] for r in runs)
     md = [
-        "Wall-clock to reach DDP + AdamW's final validation loss L* (after the same step budget), as seconds of "
+        "Wall-clock to reach DDP + AdamW's final validation loss L* (after its step budget), as seconds of "
         "step time and a multiple of DDP + AdamW's own time to L* (not reached: the gap of the method's best "
         "validation loss to L*); every method trained the same model from "
         "the same weights on the same batches, in lock-step rounds on one machine, each rank in its own network "
@@ -678,6 +687,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--steps", default="auto", help=f"step budget of every method; 'auto': (steps, eval every) of {BUDGETS}"
     )
+    ap.add_argument(
+        "--scape-steps",
+        type=int,
+        default=0,
+        help="step budget of every SCAPE method, over its own cosine (0: --steps); cheaper steps buy more of them",
+    )
     ap.add_argument("--eval-every", type=int, default=0, help=f"validate every N steps (0: steps / {EVAL_POINTS})")
     ap.add_argument("--eval-batches", type=int, default=EVAL_BATCHES, help="validation batches of 16 windows")
     ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="sequences per rank per step")
@@ -717,8 +732,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ns.steps = int(ns.steps)
         except ValueError:
             ap.error(f"--steps must be a number or 'auto', got {ns.steps!r}")
-    if ns.steps < 1 or ns.world_size < 2 or ns.eval_every < 0 or ns.eval_batches < 1:
-        ap.error("--steps must be >= 1, --world-size >= 2, --eval-every >= 0, --eval-batches >= 1")
+    if ns.steps < 1 or ns.world_size < 2 or ns.eval_every < 0 or ns.eval_batches < 1 or ns.scape_steps < 0:
+        ap.error("--steps must be >= 1, --scape-steps >= 0, --world-size >= 2, --eval-every >= 0, --eval-batches >= 1")
+    ns.scape_steps = ns.scape_steps or ns.steps
     ns.eval_every = ns.eval_every or max(1, round(ns.steps / EVAL_POINTS))
     ns.scape_overrides = parse_scape_set(ns.scape_set, ap)
     return ns
@@ -834,7 +850,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     profiles = [parse_profile(n) for n in names]
     out = args.out or tempfile.mkdtemp(prefix="ttl-")
     os.makedirs(out, exist_ok=True)
-    for w in warn_about_budget(args.steps, methods, args.scape_overrides, args.chunk_size):
+    for w in warn_about_budget(args.scape_steps, methods, args.scape_overrides, args.chunk_size):
         print(w, flush=True)
     reason = "--loopback given" if args.loopback else netns_unavailable_reason()
     if reason is not None:
@@ -858,6 +874,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "block_size": args.block_size,
         "steps": args.steps,
+        "scape_steps": args.scape_steps,
         "eval_every": args.eval_every,
         "eval_batches": args.eval_batches,
         "lr": args.lr,
@@ -877,7 +894,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 EmulatedNetwork(args.world_size, prof) if reason is None else LoopbackNetwork(args.world_size, reason)
             )
             print(
-                f"== {label}: {args.world_size} ranks, {len(methods)} methods, {args.steps} steps, "
+                f"== {label}: {args.world_size} ranks, {len(methods)} methods, {args.steps} steps "
+                f"(SCAPE {args.scape_steps}), "
                 f"validation every {args.eval_every}",
                 flush=True,
             )
@@ -902,6 +920,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     eval_batches=args.eval_batches,
                     corpus=args.corpus,
                     scape_overrides=args.scape_overrides,
+                    method_steps={m: args.scape_steps for m in methods if m in TTL_SCAPE_METHODS},
                 )
 
             with net:

@@ -130,6 +130,13 @@ class WorkerSpec:
     eval_batches: int = 8  # batches of 16 windows of workloads.validation_batch_losses
     corpus: str = "stdlib"
     scape_overrides: dict[str, Any] = field(default_factory=dict)  # ScapeConfig fields set on every TTL SCAPE method
+    # Step budgets of single methods, each over its own learning-rate cosine (the others train ``steps``): a method
+    # with cheaper steps may take more of them in the same wall-clock, as a user on a slow network would.
+    method_steps: dict[str, int] = field(default_factory=dict)
+
+    def steps_of(self, method: str) -> int:
+        """The step budget of ``method``: its entry of ``method_steps``, else ``steps``."""
+        return self.method_steps.get(method, self.steps)
 
 
 @dataclass
@@ -151,20 +158,21 @@ class MethodRecord:
     eval_s: list[float] = field(default_factory=list)  # this rank's evaluation time (outside the clock)
 
 
-def lr_at(step: int, spec: WorkerSpec) -> float:
-    """The learning rate of step ``step`` (from 0) under ``spec.schedule``.
+def lr_at(step: int, spec: WorkerSpec, steps: int | None = None) -> float:
+    """The learning rate of step ``step`` (from 0) of a ``steps``-step run (default ``spec.steps``).
 
     ``"warmup_cosine_floor"``: linear warm-up over ``warmup`` steps, then cosine to 10% of the peak.
     ``"cosine"``: :func:`lightning_scape.workloads.cosine_lr` (ramp over ``warmup`` steps times a cosine from
     the peak to 0 at ``steps``), the quality benchmark's schedule.
     """
+    steps = spec.steps if steps is None else steps
     if spec.schedule == "cosine":
-        return cosine_lr(step, spec.steps, spec.lr, max(1, spec.warmup))
+        return cosine_lr(step, steps, spec.lr, max(1, spec.warmup))
     if spec.schedule != "warmup_cosine_floor":
         raise ValueError(f"unknown schedule {spec.schedule!r}; choose one of {SCHEDULES}.")
     if step < spec.warmup:
         return spec.lr * (step + 1) / spec.warmup
-    frac = (step - spec.warmup) / max(1, spec.steps - spec.warmup)
+    frac = (step - spec.warmup) / max(1, steps - spec.warmup)
     return spec.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
 
 
@@ -486,11 +494,11 @@ def run(spec: WorkerSpec) -> dict[str, Any]:
     round_s: list[float] = []  # whole rounds (every method's step, barriers included): for sizing budgets
     eval_round_s: list[float] = []  # whole evaluations of every method
 
-    def evaluate_all(done: int) -> None:
+    def evaluate(done: int, due: list[Method]) -> None:
         # Outside the clock, between rounds: the next step's barrier starts a fresh clock.
         t_eval = time.perf_counter()
         first: float | None = None
-        for m in methods:
+        for m in due:
             t0 = time.perf_counter()
             if done == 0 and first is not None:
                 # Before the first step every method holds the same weights (built from one seed; DDP and the
@@ -506,22 +514,23 @@ def run(spec: WorkerSpec) -> dict[str, Any]:
         eval_round_s.append(time.perf_counter() - t_eval)
         if rank == 0:
             print(
-                f"    val @ {done:4d}  " + "  ".join(f"{m.name} {records[m.name].val_loss[-1]:.3f}" for m in methods),
+                f"    val @ {done:4d}  " + "  ".join(f"{m.name} {records[m.name].val_loss[-1]:.3f}" for m in due),
                 flush=True,
             )
 
     if spec.eval_every > 0:
-        evaluate_all(0)
-    for step in range(spec.steps):
+        evaluate(0, methods)
+    total_steps = max(spec.steps_of(m.name) for m in methods)
+    for step in range(total_steps):
         t_round = time.perf_counter()
         x, y = sample_batch(tokens, gen, spec.batch_size, spec.block_size)
-        lr = lr_at(step, spec)
-        k = step % len(methods)
-        for m in methods[k:] + methods[:k]:
+        active = [m for m in methods if step < spec.steps_of(m.name)]  # every method sees the same batches
+        k = step % len(active)
+        for m in active[k:] + active[:k]:
             dist.barrier()
             tx0, rx0 = read_iface(spec.ifname)
             t0 = time.perf_counter()
-            st = m.train_step(x, y, lr)
+            st = m.train_step(x, y, lr_at(step, spec, spec.steps_of(m.name)))
             dt = time.perf_counter() - t0
             # Outside the clock: once every rank has finished the step, the peers hold every byte this rank
             # sent for it, so all of it has left the interface. Read at once instead, the interface missed
@@ -542,12 +551,14 @@ def run(spec: WorkerSpec) -> dict[str, Any]:
             rec.tx.append(tx1 - tx0)
             rec.rx.append(rx1 - rx0)
         round_s.append(time.perf_counter() - t_round)
-        if spec.eval_every > 0 and ((step + 1) % spec.eval_every == 0 or step + 1 == spec.steps):
-            evaluate_all(step + 1)
-        if rank == 0 and (step % 10 == 0 or step == spec.steps - 1):
+        if spec.eval_every > 0:
+            due = [m for m in active if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps_of(m.name)]
+            if due:
+                evaluate(step + 1, due)
+        if rank == 0 and (step % 10 == 0 or step == total_steps - 1):
             print(
-                f"    step {step + 1:4d}/{spec.steps}  "
-                + "  ".join(f"{m.name} {records[m.name].loss[-1]:.2f}" for m in methods[:4])
+                f"    step {step + 1:4d}/{total_steps}  "
+                + "  ".join(f"{m.name} {records[m.name].loss[-1]:.2f}" for m in active[:4])
                 + f"  ... ({time.perf_counter() - t_start:.0f} s)",
                 flush=True,
             )
