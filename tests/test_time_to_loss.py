@@ -164,15 +164,15 @@ def test_scape_methods_take_the_package_defaults() -> None:
 
 def test_command_line_budget_and_methods() -> None:
     """`--steps auto` takes the sized budget; validation 15 times a run; DDP + AdamW is always measured."""
-    ns = parse_args(["--model", "base", "--world-size", "2"])
-    assert (ns.steps, ns.eval_every) == BUDGETS[("base", 2)]
+    ns = parse_args(["--model", "small", "--world-size", "2"])
+    assert (ns.steps, ns.scape_steps, ns.eval_every) == BUDGETS[("small", 2)]
     ns = parse_args(["--steps", "30", "--eval-every", "10", "--scape-set", "dense_warmup_steps=5"])
     assert (ns.steps, ns.eval_every, ns.scape_overrides) == (30, 10, {"dense_warmup_steps": 5})
     assert ns.scape_steps == 30  # SCAPE's budget is --steps unless given
     assert parse_args(["--steps", "30", "--scape-steps", "45"]).scape_steps == 45
     assert parse_args(["--steps", "300"]).eval_every == 20
     with pytest.raises(SystemExit):
-        parse_args(["--model", "tiny", "--world-size", "3"])  # no sized budget: --steps N is required
+        parse_args(["--model", "base", "--world-size", "2"])  # no sized budget: --steps N is required
     with pytest.raises(SystemExit):
         parse_args(["--steps", "5", "--scape-set", "density=2"])  # ScapeConfig rejects it
     assert select_methods("all") == list(TTL_METHODS)
