@@ -389,7 +389,8 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
         "",
         f"{rate}; measured TCP goodput rank 0 -> 1: {_fmt(tput / 1e6 if tput else math.nan, '.0f')} Mbit/s. "
         f"{_budget(prof)} of W x {prof['batch_size']} x {prof['block_size']} tokens, validation every "
-        f"{prof['eval_every']} steps; profile wall-clock {prof['wall_s'] / 60:.1f} min (evaluations included).",
+        f"{prof['eval_every']} steps, seed {prof.get('seed', 0)}; profile wall-clock {prof['wall_s'] / 60:.1f} min "
+        "(evaluations included).",
         f"Target L* = DDP + AdamW's final validation loss = **{t1:.4f}**; 1.05 L* = {t105:.4f}. "
         f"DDP + AdamW's run: {_secs(s['ddp_total_s'])} s; the fastest run: {fastest}, "
         f"{_secs(s['fastest_total_s'])} s.",
@@ -510,7 +511,8 @@ def headline_table(runs: Sequence[dict[str, Any]]) -> list[str]:
             ddp = per[DDP]
             cells = [
                 prof["profile"] if r["emulated"] else "loopback, NO LIMIT",
-                f"{r['world_size']}, {r['model']} ({_budget(_run_facts(r), short=True)})",
+                f"{r['world_size']}, {r['model']} ({_budget(_run_facts(r), short=True)})"
+                + (f", seed {r['seed']}" if r.get("seed", 0) else ""),
                 f"{ddp['final_val_loss']:.3f}, {_secs(ddp['total_s'])} s",
             ]
             for m in present:
@@ -595,7 +597,7 @@ def write_report(runs: Sequence[dict[str, Any]], out: str, merged: bool = False)
 
 def _run_facts(r: dict[str, Any]) -> dict[str, Any]:
     facts = {k: r[k] for k in ("world_size", "model", "steps", "batch_size", "block_size", "eval_every")}
-    return {**facts, "scape_steps": r.get("scape_steps", r["steps"])}
+    return {**facts, "scape_steps": r.get("scape_steps", r["steps"]), "seed": r.get("seed", 0)}
 
 
 def headline_markdown(runs: Sequence[dict[str, Any]]) -> list[str]:
@@ -701,6 +703,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per sequence")
     ap.add_argument("--lr", type=float, default=PEAK_LR, help="peak learning rate (all methods)")
     ap.add_argument("--lr-warmup", type=int, default=LR_WARMUP, help="LR ramp steps (and PowerSGD's vanilla phase)")
+    ap.add_argument("--seed", type=int, default=0, help="initial weights and batch order (the same for every method)")
     ap.add_argument("--corpus", default="stdlib", choices=["stdlib", "prose"], help="text (split by file)")
     ap.add_argument("--max-bytes", type=int, default=0, help="bytes of the corpus to read (0: all of it)")
     ap.add_argument("--chunk-size", type=int, default=0, help="SCAPE chunk size (0: the package default)")
@@ -883,6 +886,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "lr": args.lr,
         "lr_warmup": args.lr_warmup,
         "corpus": args.corpus,
+        "seed": args.seed,
         "max_bytes": args.max_bytes,
         "scape_defaults": ScapeConfig().to_dict(),
         "scape_overrides": args.scape_overrides,
@@ -922,6 +926,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     eval_every=args.eval_every,
                     eval_batches=args.eval_batches,
                     corpus=args.corpus,
+                    seed=args.seed,
                     scape_overrides=args.scape_overrides,
                     method_steps={m: args.scape_steps for m in methods if m in TTL_SCAPE_METHODS},
                 )

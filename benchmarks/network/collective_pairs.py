@@ -1,0 +1,116 @@
+"""SCAPE's dense sharded step against DDP's on the wire: one all-reduce against an all-to-all then an all-gather.
+
+    sudo .venv/bin/python -m benchmarks.network.collective_pairs --profile 100mbit [--queue-seconds 0.5]
+
+Two gloo processes in network namespaces behind the time-to-loss mode's shaped link (``netns.py``) time, on
+tensors of the small model's padded size (3.47 MB fp32): DDP's all-reduce, the all-to-all that stands for
+sharded SCAPE's reduce-scatter, its parameter all-gather, and the two back to back, as SCAPE's dense step runs
+them, blocking and async, each after a short and after a 0.6 s idle. Medians and minima of 8 repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+NUMEL = 868352  # the small model's padded numel at W = 2 (lightning_scape.workloads, preset "small")
+
+
+def worker() -> None:
+    """One rank: time every collective pattern; rank 0 prints."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    grad, received = torch.randn(NUMEL), torch.empty(NUMEL)
+    shard, params = torch.empty(NUMEL // world), torch.empty(NUMEL)
+
+    def all_reduce() -> None:
+        dist.all_reduce(grad)
+
+    def all_to_all() -> None:
+        dist.all_to_all_single(received, grad)
+
+    def all_gather() -> None:
+        dist.all_gather_into_tensor(params, shard)
+
+    def pair() -> None:
+        all_to_all()
+        all_gather()
+
+    def pair_async() -> None:
+        w = dist.all_to_all_single(received, grad, async_op=True)
+        assert w is not None
+        w.wait()
+        w = dist.all_gather_into_tensor(params, shard, async_op=True)
+        assert w is not None
+        w.wait()
+
+    patterns: list[tuple[str, Callable[[], None]]] = [
+        ("all-reduce (DDP)", all_reduce),
+        ("all-to-all", all_to_all),
+        ("all-gather", all_gather),
+        ("all-to-all, all-gather", pair),
+        ("same, async + wait", pair_async),
+    ]
+    for idle in (0.0, 0.6):
+        for name, fn in patterns:
+            times = []
+            for _ in range(8):
+                dist.barrier()
+                time.sleep(idle)
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            if rank == 0:
+                med, low = 1e3 * statistics.median(times), 1e3 * min(times)
+                print(f"idle {idle:.1f} s  {name:24s} median {med:6.1f} ms  min {low:6.1f} ms", flush=True)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Set up two shaped hosts and run :func:`worker` on each."""
+    import benchmarks.network.netns as netns
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", default="100mbit", help="a profile of netns.PROFILES or a rate")
+    ap.add_argument("--queue-seconds", type=float, default=netns._QUEUE_SECONDS, help="the shaper's queue length")
+    args = ap.parse_args(argv)
+    reason = netns.netns_unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"needs network namespaces ({reason}): run as root on Linux.")
+    netns._QUEUE_SECONDS = args.queue_seconds
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with netns.EmulatedNetwork(2, netns.parse_profile(args.profile)) as net:
+        procs = []
+        for h in net.hosts:
+            env = {
+                **os.environ,
+                "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "MASTER_ADDR": net.master_addr,
+                "MASTER_PORT": "29511",
+                "WORLD_SIZE": "2",
+                "RANK": str(h.rank),
+                "GLOO_SOCKET_IFNAME": h.ifname,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONWARNINGS": "ignore",
+            }
+            cmd = [*h.command_prefix(), sys.executable, "-m", "benchmarks.network.collective_pairs", "--worker"]
+            procs.append(subprocess.Popen(cmd, env=env, cwd=root))
+        codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"a worker failed: exit codes {codes}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        worker()
+    else:
+        main()
