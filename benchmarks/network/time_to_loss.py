@@ -79,12 +79,14 @@ EVAL_POINTS = 15  # evaluations per run (plus the one before the first step) whe
 
 # `--steps auto`: (steps, SCAPE's steps, eval_every) by (model, world size), sized on the 2-core VM of
 # docs/benchmarks.md with nothing else running: small W = 2 at 100 Mbit/s took 29 min (1.06 s a round, 1.1 s an
-# evaluation of every method), at 1 Gbit/s 18 min. At equal steps SCAPE at d = 0.01 ends 2-3% above dense AdamS
+# evaluation), at 1 Gbit/s 15 min, at 10 Gbit/s 14 min. At equal steps SCAPE at d = 0.01 ends 2-3% above dense AdamS
 # (docs/algorithm.md section 7), so with DDP's budget it never reaches DDP's final loss; with twice the steps, each
-# a quarter of DDP's time at 100 Mbit/s, it does. The base model's W = 2 rounds took 9-24 s (under load): an hour
+# a quarter of DDP's time at 100 Mbit/s, it does. Small W = 4 (the same tokens in half the steps): 29 min at
+# 100 Mbit/s (2.08 s a round: 4 processes on 2 cores). The base model's W = 2 rounds took 9-24 s (under load): an hour
 # holds 150-400 of them, and SCAPE's warm-up and density ramp take 430 steps, so it has no budget here.
 BUDGETS: dict[tuple[str, int], tuple[int, int, int]] = {
     ("small", 2): (800, 1600, 50),
+    ("small", 4): (400, 800, 25),
 }
 
 
@@ -460,7 +462,7 @@ def sizing_line(prof: dict[str, Any]) -> str:
     fit = (3600.0 - (setup if not math.isnan(setup) else 0.0)) / (rnd + evals_per_step * ev)
     return (
         f"Sizing: a round (one step of every method still training, barriers included) took {rnd:.2f} s on average "
-        f"(median {s['round_s_median']:.2f} s), an evaluation of every method {_fmt(ev, '.1f')} s ({n_ev} of them), "
+        f"(median {s['round_s_median']:.2f} s), an evaluation of the methods due {_fmt(ev, '.1f')} s ({n_ev} of them), "
         f"the workers' set-up {_fmt(setup, '.0f')} s: at this pace an hour holds about {fit:.0f} steps with "
         f"validation as often."
     )
