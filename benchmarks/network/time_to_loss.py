@@ -82,8 +82,9 @@ EVAL_POINTS = 15  # evaluations per run (plus the one before the first step) whe
 # evaluation), at 1 Gbit/s 15 min, at 10 Gbit/s 14 min. At equal steps SCAPE at d = 0.01 ends 2-3% above dense AdamS
 # (docs/algorithm.md section 7), so with DDP's budget it never reaches DDP's final loss; with twice the steps, each
 # a quarter of DDP's time at 100 Mbit/s, it does. Small W = 4 (the same tokens in half the steps): 29 min at
-# 100 Mbit/s (2.08 s a round: 4 processes on 2 cores). The base model's W = 2 rounds took 9-24 s (under load): an hour
-# holds 150-400 of them, and SCAPE's warm-up and density ramp take 430 steps, so it has no budget here.
+# 100 Mbit/s (2.08 s a round: 4 processes on 2 cores), 16 min at 1 Gbit/s. The base model's W = 2 rounds took
+# 9-24 s (under load): an hour holds 150-400 of them, and SCAPE's warm-up and density ramp take 430 steps, so it
+# has no budget here.
 BUDGETS: dict[tuple[str, int], tuple[int, int, int]] = {
     ("small", 2): (800, 1600, 50),
     ("small", 4): (400, 800, 25),
