@@ -64,8 +64,9 @@ class _Heartbeat:
         self.diagnosis_s = diagnosis_seconds(timeout_s)
         self.issued = 0  # SCAPE collectives this process has launched
         self._beats = 0
+        self._store_timeout = timedelta(seconds=max(2.0, 4 * self.interval_s))  # one store call at most
         self._store = store.clone()
-        self._store.set_timeout(timedelta(seconds=max(2.0, 4 * self.interval_s)))
+        self._store.set_timeout(self._store_timeout)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="scape-heartbeat", daemon=True)
         self._thread.start()
@@ -79,7 +80,7 @@ class _Heartbeat:
         """End the heartbeat thread and wait for it to leave the store (at most one store timeout)."""
         self._stopped.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(2.0, 4 * self.interval_s) + 1.0)
+            self._thread.join(timeout=self._store_timeout.total_seconds() + 1.0)
 
     @classmethod
     def for_process(cls, timeout_s: float) -> _Heartbeat | None:
@@ -130,7 +131,7 @@ class _Heartbeat:
         wait = self.diagnosis_s
         try:
             store = self._store.clone()
-            store.set_timeout(timedelta(seconds=max(2.0, 4 * self.interval_s)))
+            store.set_timeout(self._store_timeout)
             first = self._read(store)
             time.sleep(wait)
             second = self._read(store)
