@@ -39,7 +39,7 @@ on a slow network (benchmarks/network/, docs/benchmarks.md).
 
 
 def demo_parser() -> argparse.ArgumentParser:
-    """The ``lightning-scape demo`` options (:func:`lightning_scape.demo.run_demo` parses with it too)."""
+    """The ``lightning-scape demo`` options (:func:`lightning_scape.examples.demo.run_demo` parses with it too)."""
     ap = argparse.ArgumentParser(
         prog=f"{PROG} demo", description=DEMO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -115,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "demo":
         demo_parser().parse_args(rest)  # --help and bad values answer here, before torch is imported
-        from lightning_scape.demo import run_demo
+        from lightning_scape.examples.demo import run_demo
 
         run_demo(rest)
         return 0
     if command == "pretrain":
-        from lightning_scape.pretrain import run_pretrain
+        from lightning_scape.litgpt.pretrain import run_pretrain
 
         return run_pretrain(rest)
     what = "option" if command.startswith("-") else "command"

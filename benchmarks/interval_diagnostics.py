@@ -32,10 +32,17 @@ from torch import Tensor
 import lightning_scape.kernels as K
 from lightning_scape import ScapeEngine, simulate
 from lightning_scape.comm import Communicator
+from lightning_scape.examples.workloads import (
+    adams_optimizer,
+    build_model,
+    corpus_tokens,
+    lm_loss,
+    sample_batch,
+    set_cosine_lr,
+)
 from lightning_scape.kernels import AdamSHyper
 from lightning_scape.kernels._positions import mask_positions
 from lightning_scape.kernels.sparse_adams import _interval_update
-from lightning_scape.workloads import adams_optimizer, build_model, corpus_tokens, lm_loss, sample_batch, set_cosine_lr
 
 BLOCK_STEPS = 100
 

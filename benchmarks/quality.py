@@ -15,7 +15,7 @@ runs side by side slow each other down):
 
 or any set of runs: ``--configs dense,default --corpora stdlib --steps 300 --seeds 0``.
 
-Every run trains the small litgpt GPT of ``lightning_scape.workloads`` (4 layers, 128 wide, 0.86M parameters,
+Every run trains the small litgpt GPT of ``lightning_scape.examples.workloads`` (4 layers, 128 wide, 0.86M parameters,
 byte tokens) on one of its corpora (``stdlib``: the Python standard library's source; ``prose``: the
 documentation that ships with Python; both split into train and validation by file) with W = 2 simulated
 ranks (``lightning_scape.simulate``: the exact algorithm of W ranks, in threads), 16 sequences of 128 bytes
@@ -46,7 +46,7 @@ import torch
 
 from lightning_scape import ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
-from lightning_scape.workloads import (
+from lightning_scape.examples.workloads import (
     CORPORA,
     adams_optimizer,
     build_model,
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--corpora", default="stdlib", help=f"comma-separated, from {list(CORPORA)}")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default="0", help="comma-separated seeds")
-    ap.add_argument("--model", default="small", help="a preset of lightning_scape.workloads.MODEL_PRESETS")
+    ap.add_argument("--model", default="small", help="a preset of lightning_scape.examples.workloads.MODEL_PRESETS")
     ap.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
     ap.add_argument("--out", default="out/quality")
     ap.add_argument("--report", action="store_true", help="only rewrite the report from OUT/runs.jsonl")

@@ -10,10 +10,11 @@ from lightning_scape.adams import AdamS
 from lightning_scape.comm import ByteCounters, Communicator, ProcessGroupCommunicator, SoloCommunicator
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.monitors import CommunicationMonitor, MaskMonitor
-from lightning_scape.optimizer import ScapeOptimizer
+from lightning_scape.fabric import ScapeStrategy  # Fabric's strategy
+from lightning_scape.pytorch.monitors import CommunicationMonitor, MaskMonitor
 from lightning_scape.simulation import simulate
-from lightning_scape.strategy import ScapeStrategy  # Fabric's strategy
+from lightning_scape.wiring.optimizer import ScapeOptimizer
+from lightning_scape.wiring.warmup_notice import DenseWarmupWarning
 
 __version__ = "0.1.0.dev0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "ByteCounters",
     "CommunicationMonitor",
     "Communicator",
+    "DenseWarmupWarning",
     "MaskMonitor",
     "ProcessGroupCommunicator",
     "ScapeConfig",

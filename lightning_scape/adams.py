@@ -60,9 +60,7 @@ class AdamS(Optimizer):
             raise ValueError(f"AdamS: eps={eps} must be >= 0.")
         if not weight_decay >= 0.0:
             raise ValueError(f"AdamS: weight_decay={weight_decay} must be >= 0.")
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
-        )
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
 
     @torch.no_grad()

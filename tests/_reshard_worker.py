@@ -136,8 +136,9 @@ def fabric_write(outdir: str) -> None:
     fabric.launch()
     model, opt, sched = fabric_setup(fabric)
     losses = fabric_steps(fabric, model, opt, sched, 0, SAVE_AT)
-    fabric.save(os.path.join(outdir, "fabric.ckpt"), {"model": model, "optimizer": opt, "scheduler": sched,
-                                                      "step": SAVE_AT})
+    fabric.save(
+        os.path.join(outdir, "fabric.ckpt"), {"model": model, "optimizer": opt, "scheduler": sched, "step": SAVE_AT}
+    )
     losses += fabric_steps(fabric, model, opt, sched, SAVE_AT, STEPS)
     save(outdir, "fabric", 2, fabric.global_rank, {"losses": losses, "params": flat(model.parameters())})
 
@@ -155,8 +156,17 @@ def fabric_resume(outdir: str, world_size: int) -> None:
         model, opt, _ = fabric_setup(other)
         before = flat(model.parameters())
         result = expect_failure(lambda: other.load(ckpt, {"model": model, "optimizer": opt}))
-        save(outdir, "fabric_other_config", world_size, rank, {**result, "changed": not torch.equal(
-            before, flat(model.parameters())), "step_count": other.strategy.engine.step_count})
+        save(
+            outdir,
+            "fabric_other_config",
+            world_size,
+            rank,
+            {
+                **result,
+                "changed": not torch.equal(before, flat(model.parameters())),
+                "step_count": other.strategy.engine.step_count,
+            },
+        )
     else:  # a truncated rank file of the old run: every new rank reads it, every one stops
         bad = os.path.join(outdir, f"bad_w{world_size}.ckpt")
         if rank == 0:
@@ -168,8 +178,17 @@ def fabric_resume(outdir: str, world_size: int) -> None:
         model, opt, _ = fabric_setup(fabric)
         before = flat(model.parameters())
         result = expect_failure(lambda: fabric.load(bad, {"model": model, "optimizer": opt}))
-        save(outdir, "fabric_truncated", world_size, rank, {**result, "changed": not torch.equal(
-            before, flat(model.parameters())), "step_count": fabric.strategy.engine.step_count})
+        save(
+            outdir,
+            "fabric_truncated",
+            world_size,
+            rank,
+            {
+                **result,
+                "changed": not torch.equal(before, flat(model.parameters())),
+                "step_count": fabric.strategy.engine.step_count,
+            },
+        )
     model, opt, sched = fabric_setup(fabric)
     remainder = fabric.load(ckpt, {"model": model, "optimizer": opt, "scheduler": sched})
     snapshot = engine_snapshot(fabric.strategy.engine)
@@ -216,8 +235,11 @@ def trainer_fit(outdir: str, world_size: int, ckpt_path: str | None) -> None:
     recorder = LossRecorder()
     callbacks: list[pl.Callback] = [recorder]
     if ckpt_path is None:
-        callbacks.append(ModelCheckpoint(dirpath=os.path.join(outdir, "trainer_ckpt"), filename="{epoch}",
-                                         every_n_epochs=1, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=os.path.join(outdir, "trainer_ckpt"), filename="{epoch}", every_n_epochs=1, save_top_k=-1
+            )
+        )
     trainer = pl.Trainer(
         strategy=lightning_scape.pytorch.ScapeStrategy(**SCAPE), accelerator="cpu", devices=world_size,
         max_epochs=EPOCHS, callbacks=callbacks, logger=False, enable_progress_bar=False, gradient_clip_val=1.0,

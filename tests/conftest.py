@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import PYTHON, child_env, launcher_args, run_script  # noqa: E402
 
-from lightning_scape.workloads import free_port  # noqa: E402
+from lightning_scape.examples.workloads import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -25,8 +25,11 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The folder of what ``test_strategy_trainer``'s "trainer" scenarios saved (read by it and
     ``test_monitors``): two processes of ``strategy="scape"``, rank 1 started by Lightning's own launcher."""
     out = str(tmp_path_factory.mktemp("trainer"))
-    run_script(launcher_args("test_strategy_trainer", "trainer", out), timeout_s=300,
-               env=child_env(MASTER_PORT=str(free_port())))
+    run_script(
+        launcher_args("test_strategy_trainer", "trainer", out),
+        timeout_s=300,
+        env=child_env(MASTER_PORT=str(free_port())),
+    )
     return out
 
 
@@ -35,8 +38,12 @@ def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The folder of what ``test_strategy_fabric``'s "fabric" scenarios saved (read by it and ``test_monitors``):
     ``torchrun --nproc_per_node=2`` (Lightning's torchelastic environment)."""
     out = str(tmp_path_factory.mktemp("fabric"))
-    torchrun = [os.path.join(os.path.dirname(PYTHON), "torchrun"), "--nproc_per_node=2",
-                f"--master_port={free_port()}", *launcher_args("test_strategy_fabric", "fabric", out)]
+    torchrun = [
+        os.path.join(os.path.dirname(PYTHON), "torchrun"),
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        *launcher_args("test_strategy_fabric", "fabric", out),
+    ]
     proc = subprocess.run(torchrun, env=child_env(), capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun exited {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

@@ -30,7 +30,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
-from lightning_scape.workloads import free_port
+from lightning_scape.examples.workloads import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYTHON = sys.executable
@@ -148,9 +148,13 @@ def run_gloo(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: flo
 
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for worker processes: one thread, no stray distributed variables, ``tests/`` importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "NODE_RANK", "RANK",
-                                                                        "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC",
-                                                                        "PL_", "SLURM"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            ("MASTER_", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC", "PL_", "SLURM")
+        )
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=HERE + os.pathsep + env.get("PYTHONPATH", ""))
     env.update(extra)
     return env

@@ -1,4 +1,4 @@
-"""lightning_scape.data.TextFolder: windows, deterministic splits, the cache, BPE, errors, the stdlib default."""
+"""lightning_scape.litgpt.data.TextFolder: windows, deterministic splits, the cache, BPE, errors, the stdlib default."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from helpers import same, write_corpus
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
-from lightning_scape import data as data_module
-from lightning_scape.data import BYTE_EOT, ResumableDataLoader, TextFolder, stdlib_root
+from lightning_scape.litgpt import data as data_module
+from lightning_scape.litgpt.data import BYTE_EOT, ResumableDataLoader, TextFolder, stdlib_root
 
 
 def byte_documents(tokens: torch.Tensor) -> list[bytes]:
@@ -357,7 +357,7 @@ def test_constructible_from_a_recipe_by_jsonargparse(tmp_path: Path) -> None:
     parser.add_argument("--data", type=DataModule)
     recipe = {
         "data": {
-            "class_path": "lightning_scape.data.TextFolder",
+            "class_path": "lightning_scape.litgpt.data.TextFolder",
             "init_args": {"path": None, "tokenizer": "bpe", "vocab_size": 16384, "max_bytes": 4000000},
         }
     }

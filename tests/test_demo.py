@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import write_corpus
 
-from lightning_scape.demo import CSV_COLUMNS, run_demo
+from lightning_scape.examples.demo import CSV_COLUMNS, run_demo
 from lightning_scape_cli import COMMANDS, main
 
 STEPS, EVAL_EVERY = 6, 4

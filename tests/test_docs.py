@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import PYTHON, child_env
 
-from lightning_scape.workloads import free_port
+from lightning_scape.examples.workloads import free_port
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "lightning.md"
 EXAMPLE = re.compile(r"```python\n(# (\w+\.py)[^\n]*\n.*?)```(.*?)```text\n(.*?)```", re.S)

@@ -316,7 +316,7 @@ def test_a_toy_model_sends_no_more_than_ddp_in_the_dense_warmup(numel: int, worl
 
 
 def test_chunks_are_sized_to_the_bucket_only_where_the_padding_would_exceed_five_percent() -> None:
-    from lightning_scape.layout import build_buckets
+    from lightning_scape.engine.layout import build_buckets
 
     def layout(*group_sizes: int, world_size: int = 2) -> list[tuple[int, int]]:
         """Per param group (one parameter each), its bucket's padded size and chunk size."""

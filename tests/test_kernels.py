@@ -170,9 +170,7 @@ def test_dense_adams_matches_ref(n: int, dtype: torch.dtype, with_grad: bool) ->
     param = torch.randn(n, generator=gen).to(dtype)
     m = torch.randn(n, generator=gen) * 0.01
     grad = torch.randn(n, generator=gen).to(dtype) if with_grad else None
-    hyper = K.AdamSHyper(
-        step=5, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bias_correction=True
-    )
+    hyper = K.AdamSHyper(step=5, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bias_correction=True)
     p_ref, m_ref = param.clone(), m.clone()
     K.dense_adams_ref(p_ref, m_ref, grad, hyper)
     K.dense_adams_triton(param, m, grad, hyper)

@@ -20,7 +20,7 @@ from helpers import SCAPE, load_outputs
 from lightning_scape import AdamS, CommunicationMonitor, MaskMonitor, ScapeConfig, ScapeEngine
 from lightning_scape.comm import KINDS
 from lightning_scape.kernels import mask_positions
-from lightning_scape.monitors import topk_coverage
+from lightning_scape.pytorch.monitors import topk_coverage
 
 
 def csv_rows(logdir: str) -> dict[int, dict[str, float]]:

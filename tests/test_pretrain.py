@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_scape.config import ScapeConfig
-from lightning_scape.pretrain import RecipeError, _rewrite_data_path, check_vocab, parse, pretrain, run_pretrain
-from lightning_scape.workloads import free_port
+from lightning_scape.examples.workloads import free_port
+from lightning_scape.litgpt.pretrain import RecipeError, _rewrite_data_path, check_vocab, parse, pretrain, run_pretrain
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "recipes"
@@ -118,7 +118,7 @@ def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores
     import torch._dynamo
     import yaml
 
-    from lightning_scape.pretrain import _Clock, _litgpt_adapted
+    from lightning_scape.litgpt.pretrain import _Clock, _litgpt_adapted
 
     def litgpt_save(*args: Any) -> None:
         raise AssertionError("litgpt's own hyperparameter capture would re-parse sys.argv")

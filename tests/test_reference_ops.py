@@ -141,4 +141,3 @@ def test_the_interval_update_integrates_adams_over_the_interval_by_hand() -> Non
         assert m[1].item() == pytest.approx(b1**tau * m_prev + (1 - b1**tau) * mean, rel=1e-12)
         assert last.tolist() == [99, 100, 99, 99]
     assert 2 * bound < disp < tau * bound  # the bound of tau steps is not reached, the cap of 2 steps is
-

@@ -17,7 +17,7 @@ from _reshard_worker import EPOCHS, LR, SAVE_AT, SCAPE, STEPS
 from helpers import HERE, PYTHON, child_env, run_script
 
 from lightning_scape import ScapeConfig
-from lightning_scape.workloads import free_port
+from lightning_scape.examples.workloads import free_port
 
 pytestmark = pytest.mark.dist
 

@@ -44,7 +44,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision.amp import MixedPrecision
 
 from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig, ScapeStrategy
-from lightning_scape.workloads import free_port
+from lightning_scape.examples.workloads import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -53,8 +53,17 @@ ENGINE_STATE = ("momentum", "residual", "last_sent", "masks", "step_count", "ref
 # ------------------------------------------------------------------------------ what the scenarios run
 
 
-def fabric_loop(fabric: Fabric, model: Any, opt: Any, sched: Any, start: int, stop: int,
-                accumulate: int = 1, max_norm: float | None = None, inject_inf_at: int | None = None) -> list[float]:
+def fabric_loop(
+    fabric: Fabric,
+    model: Any,
+    opt: Any,
+    sched: Any,
+    start: int,
+    stop: int,
+    accumulate: int = 1,
+    max_norm: float | None = None,
+    inject_inf_at: int | None = None,
+) -> list[float]:
     """Optimizer steps ``start``..``stop-1`` over this rank's batches (the data order of the reference); the
     norms ``fabric.clip_gradients`` returned when ``max_norm`` is given."""
     batches = rank_batches(fabric.global_rank, fabric.world_size, epochs=8)
@@ -123,13 +132,18 @@ def registered_name(outdir: str) -> None:
     fabric = two_process_fabric(strategy="scape")
     model, opt, sched = fabric_setup(fabric, separately=False)
     fabric_loop(fabric, model, opt, sched, 0, 2)
-    save_output(outdir, "f_default", torchrun_rank(), {
-        "config": fabric.strategy.scape_config,
-        "wrapped": type(model._forward_module).__name__,
-        "sent": dict(fabric.strategy.engine.counters.total_sent),
-        "strategy": type(fabric.strategy).__name__,
-        "warmup_warnings": end_of_run_warnings(fabric),
-    })
+    save_output(
+        outdir,
+        "f_default",
+        torchrun_rank(),
+        {
+            "config": fabric.strategy.scape_config,
+            "wrapped": type(model._forward_module).__name__,
+            "sent": dict(fabric.strategy.engine.counters.total_sent),
+            "strategy": type(fabric.strategy).__name__,
+            "warmup_warnings": end_of_run_warnings(fabric),
+        },
+    )
 
 
 def end_of_run_warnings(fabric: Fabric) -> list[str]:
@@ -169,13 +183,28 @@ def separate_setup_accumulation_clipping_and_monitors(outdir: str) -> None:
     for step in range(8):
         norms += fabric_loop(fabric, model, opt, sched, step, step + 1, accumulate=2, max_norm=0.5)
         c = engine.counters
-        recorded.append({"sent": c.step_sent_bytes, "dense_equivalent": c.step_dense_equivalent,
-                         "values": c.step_sent["values"], "wait_s": c.step_wait_s})
+        recorded.append(
+            {
+                "sent": c.step_sent_bytes,
+                "dense_equivalent": c.step_dense_equivalent,
+                "values": c.step_sent["values"],
+                "wait_s": c.step_wait_s,
+            }
+        )
         logged.append({**comm.compute(), **masks.compute()})
-    save_output(outdir, "f_main", torchrun_rank(), {"params": flat(model.parameters()), "norms": norms,
-                                                    "logged": logged, "recorded": recorded,
-                                                    "engine": engine_snapshot(engine),
-                                                    "warmup_warnings": end_of_run_warnings(fabric)})
+    save_output(
+        outdir,
+        "f_main",
+        torchrun_rank(),
+        {
+            "params": flat(model.parameters()),
+            "norms": norms,
+            "logged": logged,
+            "recorded": recorded,
+            "engine": engine_snapshot(engine),
+            "warmup_warnings": end_of_run_warnings(fabric),
+        },
+    )
 
 
 def test_separate_setup_accumulation_and_clipping_match_the_engine(fabric_runs: str) -> None:
@@ -195,8 +224,12 @@ def resume_mid_run(outdir: str) -> None:
     fabric = two_process_fabric(strategy=ScapeStrategy(**SCAPE))
     model, opt, sched = fabric_setup(fabric)
     fabric_loop(fabric, model, opt, sched, 0, 8, max_norm=1.0)
-    save_output(outdir, "f_uninterrupted", torchrun_rank(), {"params": flat(model.parameters()),
-                                                             "engine": engine_snapshot(fabric.strategy.engine)})
+    save_output(
+        outdir,
+        "f_uninterrupted",
+        torchrun_rank(),
+        {"params": flat(model.parameters()), "engine": engine_snapshot(fabric.strategy.engine)},
+    )
     path = checkpoint_path(outdir)
     model, opt, sched = fabric_setup(fabric)
     fabric_loop(fabric, model, opt, sched, 0, 3, max_norm=1.0)
@@ -205,8 +238,12 @@ def resume_mid_run(outdir: str) -> None:
     state = {"model": model, "optimizer": opt, "scheduler": sched}
     remainder = fabric.load(path, state)
     fabric_loop(fabric, model, opt, sched, remainder["step"], 8, max_norm=1.0)
-    save_output(outdir, "f_resumed", torchrun_rank(), {"params": flat(model.parameters()),
-                                                       "engine": engine_snapshot(fabric.strategy.engine)})
+    save_output(
+        outdir,
+        "f_resumed",
+        torchrun_rank(),
+        {"params": flat(model.parameters()), "engine": engine_snapshot(fabric.strategy.engine)},
+    )
 
 
 def test_resume_mid_run_continues_bitwise_identically(fabric_runs: str) -> None:
@@ -225,8 +262,9 @@ def load_another_configuration(outdir: str) -> None:
     fabric = two_process_fabric(strategy=ScapeStrategy(**{**SCAPE, "chunk_size": 128}))
     model, opt, _ = fabric_setup(fabric)
     before = flat(model.parameters())
-    expect_failure("f_other_config", outdir,
-                   lambda: fabric.load(checkpoint_path(outdir), {"model": model, "optimizer": opt}))
+    expect_failure(
+        "f_other_config", outdir, lambda: fabric.load(checkpoint_path(outdir), {"model": model, "optimizer": opt})
+    )
     save_output(outdir, "f_other_config_params", torchrun_rank(), {"before": before, "after": flat(model.parameters())})
 
 
@@ -241,14 +279,21 @@ def test_checkpoint_from_another_configuration_is_refused_before_loading(fabric_
 def fp16_with_an_inf_on_rank_1(outdir: str) -> None:
     """fp16 with a GradScaler, and an inf in rank 1's loss at step 3; a snapshot after each of 6 steps."""
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    fabric = two_process_fabric(strategy=ScapeStrategy(**SCAPE), plugins=[MixedPrecision("16-mixed", "cpu",
-                                                                                          scaler=scaler)])
+    fabric = two_process_fabric(
+        strategy=ScapeStrategy(**SCAPE), plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    )
     model, opt, sched = fabric_setup(fabric)
     snaps = []
     for step in range(6):
         fabric_loop(fabric, model, opt, sched, step, step + 1, inject_inf_at=3)
-        snaps.append({"params": flat(model.parameters()), "engine": engine_snapshot(fabric.strategy.engine),
-                      "skipped": fabric.strategy.engine.last_step_skipped, "scale": scaler.get_scale()})
+        snaps.append(
+            {
+                "params": flat(model.parameters()),
+                "engine": engine_snapshot(fabric.strategy.engine),
+                "skipped": fabric.strategy.engine.last_step_skipped,
+                "scale": scaler.get_scale(),
+            }
+        )
     save_output(outdir, "f_fp16", torchrun_rank(), snaps)
 
 
@@ -291,8 +336,12 @@ def peer_fails_in_a_sparse_step(outdir: str, victim: str) -> None:
     """Two "nodes" (NODE_RANK, MASTER_ADDR), collective timeout ``$SCAPE_TIMEOUT``: after three steps rank 1
     kills itself (``victim="kill"``) or stops issuing collectives (``"hang"``); rank 0 prints ``READY <time>``
     and tries three more steps."""
-    fabric = Fabric(accelerator="cpu", devices=1, num_nodes=2,
-                    strategy=ScapeStrategy(**SCAPE, collective_timeout_s=float(os.environ["SCAPE_TIMEOUT"])))
+    fabric = Fabric(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        strategy=ScapeStrategy(**SCAPE, collective_timeout_s=float(os.environ["SCAPE_TIMEOUT"])),
+    )
     fabric.launch()
     model, opt, sched = fabric_setup(fabric)
     fabric_loop(fabric, model, opt, sched, 0, 3)
@@ -318,10 +367,16 @@ def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         port = str(free_port())
         procs = []
         for node in (1, 0):
-            env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node),
-                            SCAPE_TIMEOUT=str(timeout))
-            procs.append(subprocess.Popen([PYTHON, *launcher_args("test_strategy_fabric", "fault", out, victim)],
-                                          env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node), SCAPE_TIMEOUT=str(timeout))
+            procs.append(
+                subprocess.Popen(
+                    [PYTHON, *launcher_args("test_strategy_fabric", "fault", out, victim)],
+                    env=env,
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         jobs[victim] = {"procs": procs, "timeout": timeout}
 
     def watch(job: dict[str, Any]) -> None:  # the survivor's exit time, to the tenth of a second

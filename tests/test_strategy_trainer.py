@@ -47,8 +47,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig
+from lightning_scape.examples.workloads import free_port
 from lightning_scape.pytorch import ScapeStrategy
-from lightning_scape.workloads import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -148,8 +148,16 @@ def trainer_kwargs(**extra: Any) -> dict[str, Any]:
     return kw
 
 
-def fit_and_record(name: str, outdir: str, strategy: Any, model: Any = None, val: bool = False,
-                   ckpt_path: str | None = None, recorder: Recorder | None = None, **kw: Any) -> pl.Trainer:
+def fit_and_record(
+    name: str,
+    outdir: str,
+    strategy: Any,
+    model: Any = None,
+    val: bool = False,
+    ckpt_path: str | None = None,
+    recorder: Recorder | None = None,
+    **kw: Any,
+) -> pl.Trainer:
     """``Trainer.fit`` with a :class:`Recorder`; save, as ``name``, the final parameters, the recorded steps,
     what the strategy set up (wrapper, sampler, optimizer, configuration) and the engine's state."""
     model = model if model is not None else LitModel()
@@ -289,8 +297,7 @@ def test_accumulation_clipping_schedule_and_validation_match_the_engine(trainer_
 def clipping_by_value(outdir: str) -> None:
     """Clipping by value, no monitor (the only all-reduces left are scalars); also every all-reduce's size."""
     with all_reduce_numels() as numels:
-        fit_and_record("value", outdir, ScapeStrategy(**SCAPE), gradient_clip_val=0.02,
-                       gradient_clip_algorithm="value")
+        fit_and_record("value", outdir, ScapeStrategy(**SCAPE), gradient_clip_val=0.02, gradient_clip_algorithm="value")
     save_output(outdir, "all_reduce_value", dist.get_rank(), numels)
 
 
@@ -383,10 +390,10 @@ def resume_from_a_checkpoint(outdir: str) -> None:
     resumed from ``last.ckpt``; also the files left in the checkpoint folder."""
     fit_and_record("uninterrupted", outdir, ScapeStrategy(**SCAPE), max_epochs=4)
     ckdir = checkpoint_dir(outdir)
-    ckpt = ModelCheckpoint(dirpath=ckdir, filename="e{epoch}", save_top_k=1, monitor="step", mode="max",
-                           save_last=True)
-    fit_and_record("first_half", outdir, ScapeStrategy(**SCAPE), max_epochs=2, enable_checkpointing=True,
-                   callbacks=[ckpt])
+    ckpt = ModelCheckpoint(dirpath=ckdir, filename="e{epoch}", save_top_k=1, monitor="step", mode="max", save_last=True)
+    fit_and_record(
+        "first_half", outdir, ScapeStrategy(**SCAPE), max_epochs=2, enable_checkpointing=True, callbacks=[ckpt]
+    )
     last = os.path.join(ckdir, "last.ckpt")
     fit_and_record("resumed", outdir, ScapeStrategy(**SCAPE), max_epochs=4, ckpt_path=last)
     save_output(outdir, "ckpt_files", dist.get_rank(), sorted(os.listdir(ckdir)) + sorted(os.listdir(last + ".scape")))
@@ -402,17 +409,27 @@ def test_resume_continues_bitwise_identically(trainer_runs: str) -> None:
     assert torch.equal(whole[0]["params"], reference(epochs=4)[0]["params"])
     # ModelCheckpoint(save_top_k=1) removed the epoch-0 checkpoint together with its per-rank files.
     files = runs(trainer_runs, "ckpt_files")[0]
-    assert files == ["eepoch=1.ckpt", "eepoch=1.ckpt.scape", "last.ckpt", "last.ckpt.scape",
-                     "rank-00000.pt", "rank-00001.pt"]
+    assert files == [
+        "eepoch=1.ckpt",
+        "eepoch=1.ckpt.scape",
+        "last.ckpt",
+        "last.ckpt.scape",
+        "rank-00000.pt",
+        "rank-00001.pt",
+    ]
 
 
 @scenario("trainer")
 def resume_with_another_configuration(outdir: str) -> None:
     """Resuming ``last.ckpt`` with density 0.2 instead of 0.1: the error on each rank."""
     last = os.path.join(checkpoint_dir(outdir), "last.ckpt")
-    expect_failure("other_config", outdir, lambda: pl.Trainer(
-        strategy=ScapeStrategy(**{**SCAPE, "density": 0.2}), **trainer_kwargs(max_epochs=3)
-    ).fit(LitModel(), loaders()[0], ckpt_path=last))
+    expect_failure(
+        "other_config",
+        outdir,
+        lambda: pl.Trainer(strategy=ScapeStrategy(**{**SCAPE, "density": 0.2}), **trainer_kwargs(max_epochs=3)).fit(
+            LitModel(), loaders()[0], ckpt_path=last
+        ),
+    )
 
 
 def test_checkpoint_from_another_configuration_is_refused(trainer_runs: str) -> None:
@@ -438,8 +455,9 @@ def resume_with_a_truncated_rank_file(outdir: str) -> None:
     before = flat(probe.parameters())
 
     def resume_truncated() -> None:
-        pl.Trainer(strategy=ScapeStrategy(**SCAPE), **trainer_kwargs(max_epochs=3)).fit(probe, loaders()[0],
-                                                                                       ckpt_path=bad)
+        pl.Trainer(strategy=ScapeStrategy(**SCAPE), **trainer_kwargs(max_epochs=3)).fit(
+            probe, loaders()[0], ckpt_path=bad
+        )
 
     expect_failure("truncated", outdir, resume_truncated)
     save_output(outdir, "truncated_params", dist.get_rank(), {"before": before, "after": flat(probe.parameters())})
@@ -458,9 +476,13 @@ def resume_on_one_process(outdir: str, ckpt: str) -> None:
     """One process resuming ``ckpt``, written by two: any error, and the parameters before and after."""
     model = LitModel()
     before = flat(model.parameters())
-    expect_failure("one_rank", outdir, lambda: pl.Trainer(
-        strategy=ScapeStrategy(**SCAPE), **trainer_kwargs(devices=1, max_epochs=3)
-    ).fit(model, loaders()[0], ckpt_path=ckpt))
+    expect_failure(
+        "one_rank",
+        outdir,
+        lambda: pl.Trainer(strategy=ScapeStrategy(**SCAPE), **trainer_kwargs(devices=1, max_epochs=3)).fit(
+            model, loaders()[0], ckpt_path=ckpt
+        ),
+    )
     save_output(outdir, "one_rank_params", 0, {"before": before, "after": flat(model.parameters())})
 
 
@@ -469,8 +491,11 @@ def trainer_other_world_runs(trainer_runs: str, tmp_path_factory: pytest.TempPat
     """The folder of what the "trainer_other_world" scenario saved: one process, the two-process ``last.ckpt``."""
     out = str(tmp_path_factory.mktemp("trainer_w1"))
     ckpt = os.path.join(checkpoint_dir(trainer_runs), "last.ckpt")
-    run_script(launcher_args("test_strategy_trainer", "trainer_other_world", out, ckpt), timeout_s=120,
-               env=child_env(MASTER_PORT=str(free_port())))
+    run_script(
+        launcher_args("test_strategy_trainer", "trainer_other_world", out, ckpt),
+        timeout_s=120,
+        env=child_env(MASTER_PORT=str(free_port())),
+    )
     return out
 
 

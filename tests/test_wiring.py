@@ -1,4 +1,4 @@
-"""In-process tests of what both strategies share (``_wiring``, ``optimizer``, ``checkpoints``) and the engine
+"""In-process tests of what both strategies share (``lightning_scape.wiring``) and the engine
 support they use (fp16 unscaling and skipping, the early global norm, state checks). No process group needed."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_scape
-from lightning_scape import AdamS, ScapeConfig, ScapeEngine, ScapeOptimizer, checkpoints, simulate
-from lightning_scape import _wiring as wiring
+from lightning_scape import AdamS, ScapeConfig, ScapeEngine, ScapeOptimizer, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.config import OPTION_NAMES, ScapeOptions
-from lightning_scape.optimizer import to_adams
+from lightning_scape.wiring import checkpoint_files, engine_setup, warmup_notice
+from lightning_scape.wiring.optimizer import to_adams
 
 CFG = ScapeConfig(**SCAPE)
 
@@ -48,8 +48,10 @@ def test_option_names_are_the_config_fields() -> None:
 
 
 def test_registered_with_fabric_and_trainer_idempotently() -> None:
-    for registry, cls in ((STRATEGY_REGISTRY, lightning_scape.ScapeStrategy),
-                          (StrategyRegistry, lightning_scape.pytorch.ScapeStrategy)):
+    for registry, cls in (
+        (STRATEGY_REGISTRY, lightning_scape.ScapeStrategy),
+        (StrategyRegistry, lightning_scape.pytorch.ScapeStrategy),
+    ):
         for name in ("scape", "scape_spawn"):
             assert dict.get(registry, name)["strategy"] is cls
         before = dict(registry)
@@ -57,8 +59,15 @@ def test_registered_with_fabric_and_trainer_idempotently() -> None:
         assert dict(registry) == before
     fabric = Fabric(strategy="scape", accelerator="cpu", devices=2)
     assert type(fabric.strategy) is lightning_scape.ScapeStrategy and fabric.strategy.scape_config == ScapeConfig()
-    trainer = Trainer(strategy="scape", accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=False)
+    trainer = Trainer(
+        strategy="scape",
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     assert type(trainer.strategy) is lightning_scape.pytorch.ScapeStrategy
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
 
@@ -110,7 +119,7 @@ def test_scape_optimizer_steps_saves_and_resumes_exactly_in_one_process() -> Non
         net = make_net()
         adamw = torch.optim.AdamW(param_groups(net, LR), lr=0.02)
         sched = torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: 1 / (1 + s))
-        return net, wiring.build_scape_optimizer(adamw, CFG, net, None), sched
+        return net, engine_setup.build_scape_optimizer(adamw, CFG, net, None), sched
 
     net, opt, sched = fresh()
     with warnings.catch_warnings():
@@ -138,7 +147,7 @@ def test_scape_optimizer_steps_saves_and_resumes_exactly_in_one_process() -> Non
 
 def test_a_state_that_does_not_fit_changes_nothing() -> None:
     net = make_net()
-    opt = wiring.build_scape_optimizer(AdamS(param_groups(net, LR), lr=0.01), CFG, net, None)
+    opt = engine_setup.build_scape_optimizer(AdamS(param_groups(net, LR), lr=0.01), CFG, net, None)
     _train(opt, net, torch.optim.lr_scheduler.LambdaLR(opt.adams, lambda s: 1.0), range(4))
     good = opt.state_dict()
     momentum = [bs.momentum.clone() for bs in opt.engine.buckets]
@@ -163,44 +172,52 @@ def test_a_state_that_does_not_fit_changes_nothing() -> None:
 def test_rank_files_are_tied_to_their_checkpoint(tmp_path: Any) -> None:
     io = TorchCheckpointIO()
     net = make_net()
-    opt = wiring.build_scape_optimizer(AdamS(net.parameters(), lr=0.01), CFG, net, None)
+    opt = engine_setup.build_scape_optimizer(AdamS(net.parameters(), lr=0.01), CFG, net, None)
     full = opt.state_dict()
     path = str(tmp_path / "model.ckpt")
-    stub = checkpoints.make_stub(full, "id-1")
+    stub = checkpoint_files.make_stub(full, "id-1")
     io.save_checkpoint({"optimizer": stub}, path)
-    checkpoints.save_rank_states(io, path, 0, 1, {"optimizer": full}, "id-1")
+    checkpoint_files.save_rank_states(io, path, 0, 1, {"optimizer": full}, "id-1")
     assert os.path.isfile(tmp_path / "model.ckpt.scape" / "rank-00000.pt")
-    loaded = checkpoints.load_rank_states(io, path, {"optimizer": stub}, 0, 1)
+    loaded = checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 0, 1)
     opt.check_state_dict(loaded["optimizer"])
     with pytest.raises(ValueError, match="written by 1 ranks, but this run has 2"):
-        checkpoints.load_rank_states(io, path, {"optimizer": stub}, 0, 2)
+        checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 0, 2)
     with pytest.raises(ValueError, match="does not belong"):
-        checkpoints.load_rank_states(io, path, {"optimizer": checkpoints.make_stub(full, "id-2")}, 0, 1)
+        checkpoint_files.load_rank_states(io, path, {"optimizer": checkpoint_files.make_stub(full, "id-2")}, 0, 1)
     with pytest.raises(FileNotFoundError, match=r"rank 1 is missing.*\.scape"):
-        checkpoints.load_rank_states(io, path, {"optimizer": stub}, 1, 1)
+        checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 1, 1)
     with pytest.raises(ValueError, match="not written by a SCAPE strategy"):
-        checkpoints.load_rank_states(io, path, {"optimizer": {"state": {}, "param_groups": []}}, 0, 1)
+        checkpoint_files.load_rank_states(io, path, {"optimizer": {"state": {}, "param_groups": []}}, 0, 1)
     with open(path, "r+b") as f:
         f.truncate(100)
     with pytest.raises(RuntimeError, match="truncated or corrupt"):
-        checkpoints.load_main_checkpoint(io, path, weights_only=None)
+        checkpoint_files.load_main_checkpoint(io, path, weights_only=None)
     # A pickled object (a plain DataLoader in the saved state) is not corruption: the error names the class.
     pickled = str(tmp_path / "pickled.ckpt")
     io.save_checkpoint({"loader": torch.utils.data.DataLoader([1, 2])}, pickled)
     with pytest.raises(RuntimeError, match=r"refuses \(torch\.utils\.data\.dataloader\.DataLoader\)"):
-        checkpoints.load_main_checkpoint(io, pickled, weights_only=None)
-    checkpoints.remove_rank_states(io, path, 0, is_global_zero=True)
+        checkpoint_files.load_main_checkpoint(io, pickled, weights_only=None)
+    checkpoint_files.remove_rank_states(io, path, 0, is_global_zero=True)
     assert not os.path.exists(tmp_path / "model.ckpt.scape")
     with pytest.raises(ValueError, match="shape mismatch"):
-        checkpoints.check_module_state(make_net(), {**make_net().state_dict(), "0.bias": torch.zeros(3)}, True, "ckpt")
+        checkpoint_files.check_module_state(
+            make_net(), {**make_net().state_dict(), "0.bias": torch.zeros(3)}, True, "ckpt"
+        )
 
 
 # --------------------------------------------------------------------------------- engine support
 
 
 def _engine_run(
-    rank: int, comm: Communicator, steps: int, check_finite: bool = False, scale: float | None = None,
-    inject: int | None = None, early_norm: bool = False, max_norm: float | None = None,
+    rank: int,
+    comm: Communicator,
+    steps: int,
+    check_finite: bool = False,
+    scale: float | None = None,
+    inject: int | None = None,
+    early_norm: bool = False,
+    max_norm: float | None = None,
 ) -> dict[str, Any]:
     """One rank of ``steps`` engine steps on the tiny net; per step: skipped or not, the gradient norm, and
     the parameters with each bucket's state (``inject``: an inf in rank 1's loss at that step)."""
@@ -224,8 +241,9 @@ def _engine_run(
         engine.zero_grad()
         out["skipped"].append(engine.last_step_skipped)
         s = engine.state_dict()
-        out["states"].append((flat(net.parameters()),
-                              [(b["momentum"], b["residual"], b["last_sent"], b["masks"]) for b in s["buckets"]]))
+        out["states"].append(
+            (flat(net.parameters()), [(b["momentum"], b["residual"], b["last_sent"], b["masks"]) for b in s["buckets"]])
+        )
     engine.close()
     return out
 
@@ -273,17 +291,17 @@ def _stepped_engine(config: ScapeConfig, steps: int) -> ScapeEngine:
 def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None:
     default = ScapeConfig()  # 30 dense warm-up steps, then 120 dense steps of the density ramp
     with pytest.warns(UserWarning) as before:
-        notice = wiring.WarmupNotice()
+        notice = warmup_notice.WarmupNotice()
         notice.before_run(default, 30.0)  # the Trainer knows the length: the warning comes before the first step
         notice.after_run(_stepped_engine(default, 30))
     (message,) = [str(w.message) for w in before]
-    assert [w.category for w in before] == [wiring.DenseWarmupWarning]  # what the demo's dense baseline filters
+    assert [w.category for w in before] == [warmup_notice.DenseWarmupWarning]  # what the demo's dense baseline filters
     assert "30 optimizer steps" in message and "dense_warmup_steps=30" in message
     assert "the first 120 of density_ramp_steps=400" in message
     assert "ScapeStrategy(dense_warmup_steps=1, density_ramp_steps=12)" in message
 
     with pytest.warns(UserWarning) as after:  # Fabric: at the end (teardown, or when the process exits)
-        notice = wiring.WarmupNotice()
+        notice = warmup_notice.WarmupNotice()
         notice.before_run(default, None)
         notice.after_run(_stepped_engine(default.replace(dense_warmup_steps=4, density_ramp_steps=0), 4))
         notice.after_run(_stepped_engine(default.replace(dense_warmup_steps=4, density_ramp_steps=0), 4))
@@ -292,22 +310,24 @@ def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # longer than the warm-up, no warm-up, length unknown, never stepped
-        wiring.WarmupNotice().before_run(default, 161.0)
-        wiring.WarmupNotice().before_run(default.replace(dense_warmup_steps=0), 5.0)
-        wiring.WarmupNotice().before_run(default, float("inf"))
-        wiring.WarmupNotice().after_run(_stepped_engine(default.replace(dense_warmup_steps=2, density_ramp_steps=0), 3))
-        wiring.WarmupNotice().after_run(_stepped_engine(default, 0))
+        warmup_notice.WarmupNotice().before_run(default, 161.0)
+        warmup_notice.WarmupNotice().before_run(default.replace(dense_warmup_steps=0), 5.0)
+        warmup_notice.WarmupNotice().before_run(default, float("inf"))
+        warmup_notice.WarmupNotice().after_run(
+            _stepped_engine(default.replace(dense_warmup_steps=2, density_ramp_steps=0), 3)
+        )
+        warmup_notice.WarmupNotice().after_run(_stepped_engine(default, 0))
 
 
 def test_the_engine_line_states_the_warmup_and_the_effective_density() -> None:
     big = torch.nn.Linear(1024, 1024)
     engine = ScapeEngine(AdamS(big.parameters(), lr=LR), ScapeConfig(), param_order=list(big.parameters()))
-    line = wiring.describe_engine(engine)
+    line = engine_setup.describe_engine(engine)
     assert "1,049,600 parameters in 1 bucket" in line and "first 30 steps dense (dense_warmup_steps)" in line
     assert "1.00% of the coordinates per step (effective density; density=0.01)" in line and "small" not in line
     # The tiny net at the default chunk size would be mostly padding: its buckets get chunks sized to them,
     # and the line says so (its 88 biases get 1 slot: 1.1%).
-    tiny = wiring.describe_engine(_stepped_engine(ScapeConfig(), 0))
+    tiny = engine_setup.describe_engine(_stepped_engine(ScapeConfig(), 0))
     assert "2,968 parameters in 2 buckets" in tiny and "1.01% of the coordinates" in tiny
     assert "This model is small: 2 buckets use chunks smaller than chunk_size=4096" in tiny, tiny
     assert "2,880 parameters in chunks of 2,880, 29 slots each" in tiny

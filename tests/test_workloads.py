@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_scape import workloads
-from lightning_scape.data import BYTE_EOT, TextFolder
-from lightning_scape.workloads import (
+from lightning_scape.examples import workloads
+from lightning_scape.examples.workloads import (
     CORPORA,
     MODEL_PRESETS,
     PROSE_MANIFEST,
@@ -31,6 +30,7 @@ from lightning_scape.workloads import (
     validation_loss,
     weight_decay_groups,
 )
+from lightning_scape.litgpt.data import BYTE_EOT, TextFolder
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
-NUMEL = 868352  # the small model's padded numel at W = 2 (lightning_scape.workloads, preset "small")
+NUMEL = 868352  # the small model's padded numel at W = 2 (lightning_scape.examples.workloads, preset "small")
 
 
 def worker() -> None:

@@ -55,7 +55,7 @@ from benchmarks.network.worker import (
     METHOD_LABELS,
     WorkerSpec,
 )
-from lightning_scape.workloads import MODEL_PRESETS, free_port
+from lightning_scape.examples.workloads import MODEL_PRESETS, free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSS_WINDOW = 10  # losses are averaged over this many steps (one rank's batch is 512 tokens: noisy)

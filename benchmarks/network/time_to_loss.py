@@ -11,7 +11,7 @@ same model from the same initial weights on the same batches for ``--steps`` ste
 ``--scape-steps``; the sized budget gives it twice as many: it spends the time its cheaper steps save on more
 of them, as a user on a slow network would), each under the quality benchmark's cosine learning rate over its
 own budget (peak 1.5e-3, 20 ramp steps, 0 at the last step), 8 x 128 tokens per rank and step, and is evaluated
-on the same fixed validation batches (``lightning_scape.workloads``) before the first step, every
+on the same fixed validation batches (``lightning_scape.examples.workloads``) before the first step, every
 ``--eval-every`` steps and after the last, in the same rounds, outside the clock.
 
 A method's wall-clock is the sum of its measured step times (each step: the slowest rank). Within a round
@@ -59,7 +59,7 @@ from benchmarks.network.netns import (
 from benchmarks.network.run import launch_workers, machine_description
 from benchmarks.network.worker import METHOD_LABELS, TTL_METHODS, TTL_SCAPE_METHODS, WorkerSpec, ttl_scape_config
 from lightning_scape import ScapeConfig
-from lightning_scape.workloads import MODEL_PRESETS
+from lightning_scape.examples.workloads import MODEL_PRESETS
 
 DDP = "ddp_adamw"  # the reference: its final validation loss is the target
 TARGET_FACTORS: tuple[float, ...] = (1.0, 1.05)

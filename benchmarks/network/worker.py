@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_scape import AdamS, ProcessGroupCommunicator, ScapeConfig, ScapeEngine
 from lightning_scape.comm import KIND_DENSE, ByteCounters
-from lightning_scape.workloads import (
+from lightning_scape.examples.workloads import (
     build_model,
     corpus_tokens,
     cosine_lr,
@@ -52,7 +52,7 @@ from lightning_scape.workloads import (
     weight_decay_groups,
 )
 
-# The model is one of lightning_scape.workloads.MODEL_PRESETS (WorkerSpec.model names it). "base" is what the
+# The model is one of lightning_scape.examples.workloads.MODEL_PRESETS (WorkerSpec.model names it). "base" is what the
 # published W = 2 numbers use: on this 2-core VM one rank's step on 4 x 128 tokens takes 0.40-0.43 s
 # (compute-only, docs/benchmarks.md), while DDP's fp32 all-reduce of its 4.88M gradients (19.5 MB) needs
 # 0.17 s of wire at 1 Gbit/s: communication is 0.4 of the compute there, and 4 times it at 100 Mbit/s.
@@ -162,7 +162,7 @@ def lr_at(step: int, spec: WorkerSpec, steps: int | None = None) -> float:
     """The learning rate of step ``step`` (from 0) of a ``steps``-step run (default ``spec.steps``).
 
     ``"warmup_cosine_floor"``: linear warm-up over ``warmup`` steps, then cosine to 10% of the peak.
-    ``"cosine"``: :func:`lightning_scape.workloads.cosine_lr` (ramp over ``warmup`` steps times a cosine from
+    ``"cosine"``: :func:`lightning_scape.examples.workloads.cosine_lr` (ramp over ``warmup`` steps times a cosine from
     the peak to 0 at ``steps``), the quality benchmark's schedule.
     """
     steps = spec.steps if steps is None else steps
@@ -456,7 +456,7 @@ def validation_loss_distributed(model: nn.Module, val: Tensor, spec: WorkerSpec,
     """Mean loss on ``spec.eval_batches`` fixed validation batches, the batches shared out over the ranks.
 
     Every rank evaluates its own replica (identical on every rank after a step, for DDP and SCAPE alike) on
-    batches ``rank``, ``rank + W``, ... of :func:`lightning_scape.workloads.validation_batch_losses`; one
+    batches ``rank``, ``rank + W``, ... of :func:`lightning_scape.examples.workloads.validation_batch_losses`; one
     all-reduce of the per-batch losses (outside every byte counter: no counter is active here, and the
     interface counters are read around steps only) gives every rank the mean over all batches.
     """

@@ -13,14 +13,14 @@ from torch import Tensor
 
 from lightning_scape.adams import state_dtype_for
 from lightning_scape.config import ScapeConfig
-from lightning_scape.layout import Bucket
+from lightning_scape.engine.layout import Bucket
 
 
 class BucketState:
     """The tensors of one bucket on this rank.
 
     Attributes:
-        layout: The bucket's geometry (:class:`~lightning_scape.layout.Bucket`).
+        layout: The bucket's geometry (:class:`~lightning_scape.engine.layout.Bucket`).
         params: ``[padded_numel]`` flat parameters; the model's parameters are views into it.
         grads: ``[padded_numel]`` flat gradients; the parameters' ``.grad`` are views into it.
         residual: ``[padded_numel]`` error-feedback residual e (state dtype): this rank's unsent gradient.

@@ -4,7 +4,7 @@
 strategy class (Fabric's is :class:`lightning_scape.ScapeStrategy`).
 """
 
-from lightning_scape.monitors import CommunicationMonitor, MaskMonitor
+from lightning_scape.pytorch.monitors import CommunicationMonitor, MaskMonitor
 from lightning_scape.pytorch.strategy import ScapeStrategy
 
 __all__ = ["CommunicationMonitor", "MaskMonitor", "ScapeStrategy"]

@@ -1,8 +1,8 @@
 """``ScapeStrategy`` for the Lightning Trainer: DDP's processes and cluster handling, SCAPE's communication.
 
-A thin adapter: the engine (``lightning_scape/engine/``) holds the algorithm. What this strategy shares with
-Fabric's (``lightning_scape/strategy.py``) lives in ``lightning_scape/optimizer.py`` (the optimizer),
-``lightning_scape/checkpoints.py`` (the checkpoint files) and ``lightning_scape/_wiring.py`` (the rest).
+A thin adapter: the engine (:mod:`lightning_scape.engine`) holds the algorithm; what this strategy
+shares with the Fabric's (``lightning_scape/fabric/strategy.py``) lives in
+:mod:`lightning_scape.wiring`, one module per concern.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from lightning_scape import _wiring, checkpoints
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
+from lightning_scape.wiring import checkpoint_files, engine_setup, loss_scaling, registry, warmup_notice
+from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
+from lightning_scape.wiring.options import process_group_timeout, resolve_config
 
 
 class ScapeStrategy(DDPStrategy):
@@ -89,7 +90,7 @@ class ScapeStrategy(DDPStrategy):
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
-        self.scape_config = _wiring.resolve_config(config, options)
+        self.scape_config = resolve_config(config, options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -97,12 +98,12 @@ class ScapeStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=_wiring.process_group_timeout(timeout, self.scape_config),
+            timeout=process_group_timeout(timeout, self.scape_config),
             start_method=start_method,
         )
         self._failed = False
         self._pending_full_states: list[dict[str, Any]] | None = None
-        self._warmup_notice = _wiring.WarmupNotice()
+        self._warmup_notice = warmup_notice.WarmupNotice()
 
     @property
     def scape_optimizers(self) -> list[ScapeOptimizer]:
@@ -131,13 +132,13 @@ class ScapeStrategy(DDPStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        _wiring.broadcast_module_states(self.model)
+        engine_setup.broadcast_module_states(self.model)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if fitting:
             _redirect_clipping(self.precision_plugin)
-            self._warmup_notice = _wiring.WarmupNotice()
+            self._warmup_notice = warmup_notice.WarmupNotice()
             self._warmup_notice.before_run(self.scape_config, _planned_steps(trainer))
 
     @override
@@ -150,8 +151,8 @@ class ScapeStrategy(DDPStrategy):
                 "Put all parameters in param groups of one AdamS / AdamW."
             )
         assert self.model is not None
-        scaler = _wiring.grad_scaler_of(self.precision_plugin)
-        scape = _wiring.build_scape_optimizer(self.optimizers[0], self.scape_config, self.model, scaler)
+        scaler = loss_scaling.grad_scaler_of(self.precision_plugin)
+        scape = engine_setup.build_scape_optimizer(self.optimizers[0], self.scape_config, self.model, scaler)
         self.optimizers = [scape]
 
     # ----------------------------------------------------------------------------------------- a step
@@ -177,7 +178,7 @@ class ScapeStrategy(DDPStrategy):
     ) -> Any:
         """The SCAPE step (clipping requests from ``gradient_clip_val`` apply to the synchronised gradient)."""
         opt = unwrap_optimizer(optimizer)
-        scaler = _wiring.grad_scaler_of(self.precision_plugin)
+        scaler = loss_scaling.grad_scaler_of(self.precision_plugin)
         if scaler is None or not isinstance(opt, ScapeOptimizer):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
@@ -186,7 +187,7 @@ class ScapeStrategy(DDPStrategy):
         # step. GradScaler's own unscale_/step would touch gradients that the engine has already sent; the
         # engine divided the scale out in its hooks and skips non-finite steps on every rank.
         out = Precision.optimizer_step(self.precision_plugin, opt, model=model, closure=closure, **kwargs)
-        _wiring.report_step_to_scaler(scaler, opt)
+        loss_scaling.report_step_to_scaler(scaler, opt)
         return out
 
     # ------------------------------------------------------------------------------------- checkpoints
@@ -206,21 +207,19 @@ class ScapeStrategy(DDPStrategy):
         return super().optimizer_state(optimizer)
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Every rank writes its SCAPE state beside ``filepath``; rank 0 then writes ``filepath`` itself."""
         states = checkpoint.get("optimizer_states")
-        if not states or not any(checkpoints.is_scape_state(s) for s in states):
+        if not states or not any(checkpoint_files.is_scape_state(s) for s in states):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        save_id = checkpoints.new_save_id(self.broadcast)
-        full = {f"optimizer_states.{i}": s for i, s in enumerate(states) if checkpoints.is_scape_state(s)}
+        save_id = checkpoint_files.new_save_id(self.broadcast)
+        full = {f"optimizer_states.{i}": s for i, s in enumerate(states) if checkpoint_files.is_scape_state(s)}
         checkpoint = dict(checkpoint)
         checkpoint["optimizer_states"] = [
-            checkpoints.make_stub(s, save_id) if checkpoints.is_scape_state(s) else s for s in states
+            checkpoint_files.make_stub(s, save_id) if checkpoint_files.is_scape_state(s) else s for s in states
         ]
-        checkpoints.save_rank_states(
+        checkpoint_files.save_rank_states(
             self.checkpoint_io, filepath, self.global_rank, self.world_size, full, save_id, storage_options
         )
         self.barrier("scape_save_checkpoint")
@@ -229,7 +228,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove the checkpoint file (rank 0) and every rank's SCAPE file."""
-        checkpoints.remove_rank_states(self.checkpoint_io, filepath, self.global_rank, self.is_global_zero)
+        checkpoint_files.remove_rank_states(self.checkpoint_io, filepath, self.global_rank, self.is_global_zero)
         super().remove_checkpoint(filepath)
 
     @override
@@ -244,11 +243,11 @@ class ScapeStrategy(DDPStrategy):
             checkpoint = self._read_and_check(checkpoint_path, weights_only)
         except Exception as exc:
             error = exc
-        checkpoints.agree(error, f"Loading checkpoint {os.fspath(checkpoint_path)!r}")
+        checkpoint_files.agree(error, f"Loading checkpoint {os.fspath(checkpoint_path)!r}")
         return checkpoint
 
     def _read_and_check(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
-        checkpoint = checkpoints.load_main_checkpoint(self.checkpoint_io, checkpoint_path, weights_only)
+        checkpoint = checkpoint_files.load_main_checkpoint(self.checkpoint_io, checkpoint_path, weights_only)
         opts = self.scape_optimizers
         states = checkpoint.get("optimizer_states")
         if not opts or states is None:  # not fitting (validate/test/predict), or a weights-only checkpoint
@@ -257,7 +256,7 @@ class ScapeStrategy(DDPStrategy):
         if len(states) != len(opts):
             raise ValueError(f"{where} has {len(states)} optimizer states, this run {len(opts)}. Nothing was loaded.")
         keys = [f"optimizer_states.{i}" for i in range(len(states))]
-        full = checkpoints.load_rank_states(
+        full = checkpoint_files.load_rank_states(
             self.checkpoint_io,
             checkpoint_path,
             dict(zip(keys, states, strict=True)),
@@ -273,7 +272,7 @@ class ScapeStrategy(DDPStrategy):
                 raise ValueError(f"{where}: {exc} Nothing was loaded.") from exc
         module = self.lightning_module
         if module is not None and "state_dict" in checkpoint:
-            checkpoints.check_module_state(module, checkpoint["state_dict"], module.strict_loading, where)
+            checkpoint_files.check_module_state(module, checkpoint["state_dict"], module.strict_loading, where)
         checkpoint["optimizer_states"] = [full[k] for k in keys]
         return checkpoint
 
@@ -299,7 +298,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
-        _wiring.register_strategies(cls, strategy_registry)
+        registry.register_strategies(cls, strategy_registry)
 
 
 def _planned_steps(trainer: pl.Trainer) -> float | None:

@@ -31,7 +31,7 @@ from typing_extensions import override
 from lightning_scape.comm import KINDS
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.kernels import mask_positions
-from lightning_scape.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
+from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 
 
 class _Aggregates:

@@ -31,12 +31,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from lightning_scape._wiring import DenseWarmupWarning
 from lightning_scape.config import ScapeConfig
-from lightning_scape.data import TextFolder
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.strategy import ScapeStrategy
-from lightning_scape.workloads import (
+from lightning_scape.examples.workloads import (
     adams_optimizer,
     build_model,
     free_port,
@@ -45,6 +42,9 @@ from lightning_scape.workloads import (
     set_cosine_lr,
     validation_batch_losses,
 )
+from lightning_scape.fabric.strategy import ScapeStrategy
+from lightning_scape.litgpt.data import TextFolder
+from lightning_scape.wiring.warmup_notice import DenseWarmupWarning
 from lightning_scape_cli import demo_parser
 
 WORLD_SIZE = 2
@@ -304,8 +304,14 @@ def write_plot(results: Sequence[dict[str, Any]], path: Path) -> bool:
         by_step.plot(val_steps, [r["val_losses"][s] for s in val_steps], "o--", color=color, lw=0.8, ms=5,
                      label=f"{r['label']} validation")  # fmt: skip
         per_step = [max(1, b) for b in r["bytes_sent"]]  # log axis: a step that sent nothing shows as 1 byte
-        sent.plot(steps, per_step, color=color, lw=1.2, label=f"{r['label']}: {_kb(r['bytes_per_step'])}/step"
-                  + (" after the warm-up and ramp" if r["method"] == "scape" and r["warmup"] < r["steps"] else ""))
+        sent.plot(
+            steps,
+            per_step,
+            color=color,
+            lw=1.2,
+            label=f"{r['label']}: {_kb(r['bytes_per_step'])}/step"
+            + (" after the warm-up and ramp" if r["method"] == "scape" and r["warmup"] < r["steps"] else ""),
+        )
     warm = next((r for r in results if r["method"] == "scape" and 0 < r["warmup"] < r["steps"]), None)
     if warm is not None:  # where SCAPE stops sending everything
         for ax in (by_step, sent):

@@ -1,8 +1,8 @@
 """``ScapeStrategy`` for Lightning Fabric: DDP's processes and cluster handling, SCAPE's communication.
 
-A thin adapter: the engine (``lightning_scape/engine/``) holds the algorithm. What this strategy shares with the
-Trainer's (``lightning_scape/pytorch/strategy.py``) lives in ``lightning_scape/optimizer.py`` (the optimizer),
-``lightning_scape/checkpoints.py`` (the checkpoint files) and ``lightning_scape/_wiring.py`` (the rest).
+A thin adapter: the engine (:mod:`lightning_scape.engine`) holds the algorithm; what this strategy
+shares with the Trainer's (``lightning_scape/pytorch/strategy.py``) lives in
+:mod:`lightning_scape.wiring`, one module per concern.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from lightning_scape import _wiring, checkpoints
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.optimizer import ScapeOptimizer, unwrap_optimizer
+from lightning_scape.wiring import checkpoint_files, engine_setup, loss_scaling, registry, warmup_notice
+from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
+from lightning_scape.wiring.options import process_group_timeout, resolve_config
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
@@ -44,7 +45,7 @@ class ScapeStrategy(DDPStrategy):
     in Lightning's ``DDPStrategy``, but the model is not wrapped in ``DistributedDataParallel``: gradients
     travel through the SCAPE engine (one sparse collective per step after the dense warm-up), and the
     optimizer returned by ``fabric.setup`` / ``fabric.setup_optimizers`` is a
-    :class:`~lightning_scape.optimizer.ScapeOptimizer` whose ``step`` is the engine's step. The optimizer
+    :class:`~lightning_scape.wiring.optimizer.ScapeOptimizer` whose ``step`` is the engine's step. The optimizer
     you create must be :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``torch.optim.Adam`` (the
     last two are converted to AdamS with the same hyperparameters).
 
@@ -91,7 +92,7 @@ class ScapeStrategy(DDPStrategy):
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
-        self.scape_config = _wiring.resolve_config(config, options)
+        self.scape_config = resolve_config(config, options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -99,7 +100,7 @@ class ScapeStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=_wiring.process_group_timeout(timeout, self.scape_config),
+            timeout=process_group_timeout(timeout, self.scape_config),
             start_method=start_method,
         )
         self._backward_sync_control = _ScapeBackwardSyncControl(self)
@@ -108,7 +109,7 @@ class ScapeStrategy(DDPStrategy):
         self._failed = False
         self._checkpoint_world_size: int | None = None
         # Fabric does not know when a run ends: the warm-up notice comes at teardown, or when the process exits.
-        self._warmup_notice = _wiring.WarmupNotice()
+        self._warmup_notice = warmup_notice.WarmupNotice()
         self._exit_hook_registered = False
 
     @property
@@ -155,7 +156,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]
         """Give every rank rank 0's parameters and buffers; the module is not wrapped."""
-        _wiring.broadcast_module_states(module)
+        engine_setup.broadcast_module_states(module)
         self._scape_modules.append(module)
         return module
 
@@ -163,11 +164,11 @@ class ScapeStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Build the SCAPE engine for ``optimizer`` (its parameters become views of flat buffers)."""
         module = next((m for m in reversed(self._scape_modules) if _shares_params(m, optimizer)), None)
-        scaler = _wiring.grad_scaler_of(self.precision)
-        scape = _wiring.build_scape_optimizer(optimizer, self.scape_config, module, scaler)
+        scaler = loss_scaling.grad_scaler_of(self.precision)
+        scape = engine_setup.build_scape_optimizer(optimizer, self.scape_config, module, scaler)
         self._scape_optimizers.append(scape)
         if not self._exit_hook_registered:
-            _wiring.call_at_exit(self._note_end_of_run)
+            warmup_notice.call_at_exit(self._note_end_of_run)
             self._exit_hook_registered = True
         return scape
 
@@ -186,7 +187,7 @@ class ScapeStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """The SCAPE step; with fp16 loss scaling the ``GradScaler`` learns whether it was skipped."""
         opt = unwrap_optimizer(optimizer)
-        scaler = _wiring.grad_scaler_of(self.precision)
+        scaler = loss_scaling.grad_scaler_of(self.precision)
         try:
             if scaler is None or not isinstance(opt, ScapeOptimizer):
                 return super().optimizer_step(optimizer, **kwargs)
@@ -194,7 +195,7 @@ class ScapeStrategy(DDPStrategy):
         except BaseException:
             self._failed = True
             raise
-        _wiring.report_step_to_scaler(scaler, opt)
+        loss_scaling.report_step_to_scaler(scaler, opt)
         return out
 
     @override
@@ -220,7 +221,7 @@ class ScapeStrategy(DDPStrategy):
             )
         norm = opt.engine.global_grad_norm()
         finite = torch.isfinite(torch.tensor(norm)).item()
-        if error_if_nonfinite and not finite and _wiring.grad_scaler_of(self.precision) is None:
+        if error_if_nonfinite and not finite and loss_scaling.grad_scaler_of(self.precision) is None:
             raise RuntimeError(
                 f"The global norm of the synchronised gradient is {norm}. Pass error_if_nonfinite=False to skip "
                 "this check, or find the source of the inf/nan (learning rate too high?)."
@@ -265,11 +266,11 @@ class ScapeStrategy(DDPStrategy):
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             return
         converted = self._convert_stateful_objects_in_state(state, filter=(filter or {}))
-        save_id = checkpoints.new_save_id(self.broadcast)
+        save_id = checkpoint_files.new_save_id(self.broadcast)
         full = {k: converted[k] for k in keys}
         for k in keys:
-            converted[k] = checkpoints.make_stub(full[k], save_id)
-        checkpoints.save_rank_states(
+            converted[k] = checkpoint_files.make_stub(full[k], save_id)
+        checkpoint_files.save_rank_states(
             self.checkpoint_io, path, self.global_rank, self.world_size, full, save_id, storage_options
         )
         self.barrier()
@@ -301,9 +302,9 @@ class ScapeStrategy(DDPStrategy):
             checkpoint, full = self._read_and_check(path, state, scape, strict, weights_only)
         except Exception as exc:
             error = exc
-        checkpoints.agree(error, f"Loading checkpoint {os.fspath(path)!r}")
+        checkpoint_files.agree(error, f"Loading checkpoint {os.fspath(path)!r}")
         if scape:
-            self._checkpoint_world_size = checkpoints.stub_world_size(checkpoint[next(iter(scape))])
+            self._checkpoint_world_size = checkpoint_files.stub_world_size(checkpoint[next(iter(scape))])
         for name, obj in list(state.items()):
             if name not in checkpoint:
                 continue
@@ -327,8 +328,8 @@ class ScapeStrategy(DDPStrategy):
         weights_only: bool | None,
     ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """Read the checkpoint and this rank's SCAPE file and check that everything fits; loads nothing."""
-        checkpoint = checkpoints.load_main_checkpoint(self.checkpoint_io, path, weights_only)
-        full = checkpoints.load_rank_states(
+        checkpoint = checkpoint_files.load_main_checkpoint(self.checkpoint_io, path, weights_only)
+        full = checkpoint_files.load_rank_states(
             self.checkpoint_io,
             path,
             {k: checkpoint.get(k) for k in scape},
@@ -345,7 +346,7 @@ class ScapeStrategy(DDPStrategy):
                 raise ValueError(f"{where}, {k!r}: {exc} Nothing was loaded.") from exc
         for k, obj in state.items():
             if isinstance(obj, Module) and k in checkpoint:
-                checkpoints.check_module_state(obj, checkpoint[k], strict, f"{where}, {k!r}")
+                checkpoint_files.check_module_state(obj, checkpoint[k], strict, f"{where}, {k!r}")
         missing = [k for k in state if k not in checkpoint]
         if strict and missing:
             raise KeyError(
@@ -375,7 +376,7 @@ class ScapeStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
-        _wiring.register_strategies(cls, strategy_registry)
+        registry.register_strategies(cls, strategy_registry)
 
 
 class _ScapeBackwardSyncControl(_BackwardSyncControl):

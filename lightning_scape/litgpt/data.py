@@ -9,7 +9,7 @@ pretraining loop expects (inputs ``[:, :T]``, targets ``[:, 1:T + 1]``).
 Use it from a recipe::
 
     data:
-      class_path: lightning_scape.data.TextFolder
+      class_path: lightning_scape.litgpt.data.TextFolder
       init_args:
         path: /data/my_corpus      # empty: the Python standard library's sources
         tokenizer: bpe

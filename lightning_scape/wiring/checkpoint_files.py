@@ -170,8 +170,10 @@ def load_rank_states(
             )
         meta = stub[_STUB_KEY]
         if meta.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"Checkpoint {where!r} uses SCAPE checkpoint format {meta.get('format')!r}; this "
-                             f"version reads {CHECKPOINT_FORMAT}.")
+            raise ValueError(
+                f"Checkpoint {where!r} uses SCAPE checkpoint format {meta.get('format')!r}; this "
+                f"version reads {CHECKPOINT_FORMAT}."
+            )
     if not stubs:
         return {}
     ids = {stub[_STUB_KEY]["save_id"] for stub in stubs.values()}
@@ -215,8 +217,9 @@ def _reshard_rank_files(
         states = _read_rank_file(io, path, old_rank, stubs, ids, weights_only, saved_world_size)
         for k, full in states.items():
             if not is_scape_state(full):
-                raise ValueError(f"{rank_state_path(path, old_rank)!r} holds no SCAPE state for {k!r}. Nothing "
-                                 "was loaded.")
+                raise ValueError(
+                    f"{rank_state_path(path, old_rank)!r} holds no SCAPE state for {k!r}. Nothing was loaded."
+                )
             try:
                 resharders[k].add(full["scape"])
             except ValueError as exc:

@@ -110,7 +110,7 @@ def pretrain(
         resume: A ``lit_model.pth`` to resume from, ``True`` for the latest in ``out_dir``, or ``"auto"``.
             Another ``devices`` / ``num_nodes`` than the run that wrote it is fine (the SCAPE state is
             re-sharded and litgpt's position rescaled); keep ``global_batch_size`` and ``micro_batch_size``.
-        data: A litgpt ``DataModule``; default :class:`~lightning_scape.data.TextFolder` on the Python
+        data: A litgpt ``DataModule``; default :class:`~lightning_scape.litgpt.data.TextFolder` on the Python
             standard library's sources (offline).
         train: litgpt ``TrainArgs`` (batch sizes, ``max_tokens``, ``max_norm``, warm-up, ``save_interval``,
             ``log_interval``). The run stops on ``max_tokens``; ``max_steps`` and ``max_time``, which litgpt's
@@ -302,7 +302,7 @@ def _refuse_ignored(train: TrainArgs, model_config: Config, eval: EvalArgs | Non
 
 def _data_module(data: DataModule | None, tokenizer_dir: Path | None) -> DataModule:
     """``data``, by default a TextFolder on the standard library's sources; refuse a tokenizer it would ignore."""
-    from lightning_scape.data import TextFolder
+    from lightning_scape.litgpt.data import TextFolder
 
     if data is None:
         data = TextFolder()
@@ -332,7 +332,7 @@ def _launch_fabric(
     import lightning as L
     from litgpt.utils import choose_logger
 
-    from lightning_scape.strategy import ScapeStrategy
+    from lightning_scape.fabric.strategy import ScapeStrategy
 
     logger = choose_logger(
         logger_name,
@@ -456,7 +456,7 @@ class _CommunicationLogger:
     the run's throughput and bytes at the end."""
 
     def __init__(self, interval: int, train: TrainArgs, recipe: _Recipe) -> None:
-        from lightning_scape.monitors import CommunicationMonitor
+        from lightning_scape.pytorch.monitors import CommunicationMonitor
 
         self.interval = max(1, interval)
         self.monitor = CommunicationMonitor(per_kind=False, progress_bar=False)
@@ -628,14 +628,14 @@ def continue_on_world_size(fabric: L.Fabric, state: dict[str, Any]) -> None:
     With the same ``global_batch_size`` and ``micro_batch_size`` the tokens seen so far are ``iter_num x W``
     micro-batches over all processes, so on W' processes the loop resumes at ``iter_num x W / W'`` (the learning
     rate schedule, the end of training and the logged steps then continue where they were), and a
-    :class:`~lightning_scape.data.ResumableDataLoader` skips ``position x W / W'`` batches of its epoch: the same
+    :class:`~lightning_scape.litgpt.data.ResumableDataLoader` skips ``position x W / W'`` batches of its epoch: the same
     samples, because ``DistributedSampler`` splits one shuffled order of the epoch among the processes. Other
     loaders restore their own state unchanged.
 
     Raises:
         ValueError: When the position is not a whole number of micro-batches on the new number of processes.
     """
-    from lightning_scape.data import ResumableDataLoader
+    from lightning_scape.litgpt.data import ResumableDataLoader
 
     saved = getattr(fabric.strategy, "checkpoint_world_size", None)
     world = fabric.world_size
@@ -701,7 +701,7 @@ def _rewrite_data_path(argv: list[str]) -> list[str]:
             i += 1
             continue
         if os.path.exists(value) or os.sep in value:
-            out += ["--data", "lightning_scape.data.TextFolder", "--data.path", value]
+            out += ["--data", "lightning_scape.litgpt.data.TextFolder", "--data.path", value]
         else:
             out += ["--data", value]
     return out

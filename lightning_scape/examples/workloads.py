@@ -10,7 +10,7 @@ number from another:
 - the optimizer: :class:`~lightning_scape.adams.AdamS` with weight decay on matrices only
   (:func:`weight_decay_groups`, :func:`adams_optimizer`);
 - the data: two corpora every machine has without a download, read through
-  :class:`~lightning_scape.data.TextFolder` (:func:`corpus_tokens`): ``"stdlib"``, the ``.py`` sources of the
+  :class:`~lightning_scape.litgpt.data.TextFolder` (:func:`corpus_tokens`): ``"stdlib"``, the ``.py`` sources of the
   running interpreter's standard library (about 12 MB of code), and ``"prose"``, the English documentation
   that ships with Python (:func:`prose_corpus`, about 2.3 MB);
 - the training step's pieces: random-window batches (:func:`sample_batch`), next-token loss (:func:`lm_loss`),
@@ -44,7 +44,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from lightning_scape.adams import AdamS
-from lightning_scape.data import STDLIB_EXCLUDED_DIRS, TextFolder, default_cache_dir, stdlib_root
+from lightning_scape.litgpt.data import STDLIB_EXCLUDED_DIRS, TextFolder, default_cache_dir, stdlib_root
 
 # litgpt GPT shapes for byte-level models (vocabulary 256; the rotary embedding adds no parameters, so the
 # counts do not depend on the block size).
@@ -159,9 +159,7 @@ def cosine_lr(step: int, steps: int, peak: float, warmup_steps: int = 20) -> flo
     return peak * min(1.0, (step + 1) / warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
-def set_cosine_lr(
-    optimizer: torch.optim.Optimizer, step: int, steps: int, peak: float, warmup_steps: int = 20
-) -> None:
+def set_cosine_lr(optimizer: torch.optim.Optimizer, step: int, steps: int, peak: float, warmup_steps: int = 20) -> None:
     """Set every parameter group's learning rate to :func:`cosine_lr` at ``step``."""
     lr = cosine_lr(step, steps, peak, warmup_steps)
     for g in optimizer.param_groups:
@@ -232,7 +230,7 @@ def corpus_tokens(
     else:
         raise ValueError(
             f"unknown corpus {name!r}; choose one of {list(CORPORA)}, or read your own text with "
-            "lightning_scape.data.TextFolder(path=...).token_splits()."
+            "lightning_scape.litgpt.data.TextFolder(path=...).token_splits()."
         )
     return TextFolder(path, tokenizer="byte", max_bytes=max_bytes, cache_dir=cache_dir).token_splits()
 

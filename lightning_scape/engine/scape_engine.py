@@ -1,0 +1,387 @@
+"""The SCAPE engine: gradient synchronisation and AdamS stepping for one data-parallel group.
+
+This is the one place where the algorithm lives (``docs/algorithm.md`` restates it). The Lightning
+strategies, the simulation and the benchmarks only drive it:
+
+    engine = ScapeEngine(AdamS(model.parameters()), ScapeConfig(density=0.01), communicator)
+    for batch in data:
+        loss = model(batch); loss.backward()   # bucket collectives launch from grad hooks
+        engine.step()                          # wait, update the masked slots, gather, next mask
+        engine.zero_grad()
+
+The modules, one per mechanism: :mod:`~lightning_scape.engine.buckets` (each bucket's tensors),
+:mod:`~lightning_scape.engine.step` (one step in flight: launches, waits, norm, finiteness),
+:mod:`~lightning_scape.engine.feedback` (error feedback and compaction),
+:mod:`~lightning_scape.engine.update` (the dense and interval updates and their hyperparameters),
+:mod:`~lightning_scape.engine.masks` (the mask schedule) and :mod:`~lightning_scape.engine.state`
+(checkpoints and re-sharding). This module holds the construction, the gradient hooks and
+:meth:`ScapeEngine.step`, written as the step's communication schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_scape.comm import (
+    KIND_DENSE,
+    KIND_PARAMS,
+    KIND_SETUP,
+    ByteCounters,
+    Communicator,
+    Pending,
+    SoloCommunicator,
+)
+from lightning_scape.config import ScapeConfig
+from lightning_scape.engine import feedback, state, update
+from lightning_scape.engine.buckets import BucketState
+from lightning_scape.engine.layout import build_buckets
+from lightning_scape.engine.masks import MaskSchedule
+from lightning_scape.engine.step import StepInFlight
+
+__all__ = ["BucketState", "ScapeEngine"]
+
+
+class ScapeEngine:
+    """SCAPE for the trainable parameters of one optimizer on one data-parallel group.
+
+    On construction the engine flattens the parameters into buckets: every trainable parameter becomes
+    a view into its bucket's flat buffer (so its storage moves; call this before ``torch.compile`` and
+    after moving the model to its device), and its ``.grad`` becomes a view into the bucket's gradient
+    buffer. Frozen parameters (``requires_grad=False``) are left alone; tied parameters count once.
+
+    Args:
+        optimizer: An :class:`~lightning_scape.AdamS` (or any optimizer whose param groups carry
+            ``lr``, ``betas``, ``eps``, ``weight_decay`` and optionally ``bias_correction``). Its param
+            groups stay the source of the hyperparameters, so LR schedulers keep working; its own
+            ``step`` must not be called.
+        config: The SCAPE configuration.
+        communicator: The group's collectives; default: world size 1.
+        param_order: The model's parameters in registration order, to predict when gradients arrive.
+        sync_params: Give every rank rank 0's parameters at construction (one all-reduce of the flat
+            buffers, counted as ``setup`` traffic), as DDP's constructor does, so replicas that were
+            initialised differently cannot diverge silently. Pass False only when the caller has already
+            synchronised the model (the Lightning strategies broadcast parameters and buffers at set-up).
+        loss_scale: For fp16 loss scaling: returns the scale that the coming gradients carry (a
+            ``GradScaler``'s ``get_scale``), read once per step; the engine divides it out before the
+            gradients touch the residual. None: the gradients are unscaled.
+        skip_nonfinite: Skip, on every rank, a step in which any rank saw an inf/nan gradient, leaving
+            momentum, residual and parameters untouched (what fp16 loss scaling needs; it costs one scalar
+            all-reduce per step). :attr:`last_step_skipped` tells the ``GradScaler``.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        config: ScapeConfig | None = None,
+        communicator: Communicator | None = None,
+        param_order: list[torch.nn.Parameter] | None = None,
+        sync_params: bool = True,
+        loss_scale: Callable[[], float] | None = None,
+        skip_nonfinite: bool = False,
+    ) -> None:
+        self.optimizer = optimizer
+        self.config = cfg = config or ScapeConfig()
+        self.comm: Communicator = communicator or SoloCommunicator()
+        self.rank = self.comm.rank
+        self.world_size = self.comm.world_size
+        self.loss_scale = loss_scale
+        self.skip_nonfinite = skip_nonfinite
+        for g in optimizer.param_groups:
+            missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in g]
+            if missing:
+                raise ValueError(
+                    f"ScapeEngine needs AdamS-style param groups; this one lacks {missing}. "
+                    "Build the optimizer as lightning_scape.AdamS(params, ...)."
+                )
+        layouts = build_buckets(optimizer.param_groups, self.world_size, cfg.chunk_size, cfg.bucket_cap_mb, param_order)
+        if not layouts:
+            raise ValueError("ScapeEngine got no trainable parameters (all frozen or none given).")
+        self.buckets = [BucketState(b, cfg, self.rank) for b in layouts]
+        self._hooks: list[Any] = []
+        self._bucket_index: dict[int, int] = {}
+        for i, bs in enumerate(self.buckets):
+            for place in bs.layout.places:
+                p = place.param
+                view = bs.params[place.offset : place.offset + place.numel]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+                gview = bs.grads[place.offset : place.offset + place.numel].view_as(p)
+                if p.grad is not None:
+                    gview.copy_(p.grad)
+                p.grad = gview
+                self._bucket_index[id(p)] = i
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self.numel = sum(b.layout.numel for b in self.buckets)
+        self.padded_numel = sum(b.layout.padded_numel for b in self.buckets)
+        self.counters = ByteCounters(world_size=self.world_size)
+        self._sync_initial_params(sync_params)
+        groups = optimizer.param_groups
+        self.masks = MaskSchedule(
+            self.buckets, cfg, self.comm, self.counters, lambda bs: groups[bs.layout.group_index]["betas"][0]
+        )
+        self.step_count = 0
+        # Per param group, the largest learning rate seen: catch_up_cap counts steps at it.
+        self.peak_lr = [0.0] * len(optimizer.param_groups)
+        self.require_backward_grad_sync = True
+        self.last_grad_norm: float | None = None
+        self.last_step_skipped = False
+        self.last_used_masks: list[Tensor] | None = None  # per bucket, the mask of the last sparse step
+        self._step: StepInFlight | None = None
+        if cfg.dense_steps == 0:
+            self.masks.begin()
+
+    @torch.no_grad()
+    def _sync_initial_params(self, enabled: bool) -> None:
+        """Rank 0's parameters everywhere: the others contribute zeros to one all-reduce (exact)."""
+        if not enabled or self.world_size == 1:
+            return
+        pending = []
+        for bs in self.buckets:
+            if self.rank != 0:
+                bs.params.zero_()
+            pending.append(self.comm.all_reduce_sum(bs.params))
+            self.counters.count_all_reduce(KIND_SETUP, bs.layout.padded_numel, bs.layout.dtype.itemsize)
+        for p in pending:
+            self.counters.timed_wait(p)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def in_warmup(self) -> bool:
+        """Whether the next step is a dense warm-up step."""
+        return self.step_count < self.config.dense_steps
+
+    @property
+    def slots(self) -> int:
+        """d N: mask slots over all ranks and buckets (the values sent per sparse step, before the ring)."""
+        return sum(b.slots for b in self.buckets)
+
+    @property
+    def refresh_count(self) -> int:
+        """How many times the masks have been built anew."""
+        return self.masks.refresh_count
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally and send nothing."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers (the parameters' ``.grad`` stay views into them)."""
+        for bs in self.buckets:
+            bs.grads.zero_()
+            for place in bs.layout.places:
+                p = place.param
+                if p.grad is None or p.grad.data_ptr() != bs.grads[place.offset :].data_ptr():
+                    p.grad = bs.grads[place.offset : place.offset + place.numel].view_as(p)
+
+    @torch.no_grad()
+    def step(self, max_grad_norm: float | None = None, clip_value: float | None = None) -> None:
+        """Finish synchronising this step's gradients and update the parameters.
+
+        The step's communication schedule: the value collectives were launched by the backward hooks;
+        wait for them in order, agree on finiteness, clip, update every bucket, launch every parameter
+        all-gather, build the next masks while those are in flight, then wait for them in order and apply.
+
+        Args:
+            max_grad_norm: Clip the global norm of the synchronised gradient (the averaged compact
+                values in sparse steps) to this value.
+            clip_value: Clamp every synchronised gradient value to ``[-clip_value, clip_value]``.
+        """
+        step = self._open_step()
+        step.launch_in_order(all_buckets=True)  # buckets that saw no backward send their zeros
+        t, sparse = step.step, not step.dense
+        synced = step.synced_grads()
+        if self.skip_nonfinite:
+            if step.any_nonfinite():
+                self._close_step(applied=False)
+                return
+            if sparse:
+                for i, bs in enumerate(self.buckets):
+                    feedback.commit(bs, self.masks.in_use(i))
+        if sparse:
+            self.last_used_masks = [self.masks.in_use(i) for i in range(len(self.buckets))]
+        update.clip_(synced, self._clip_coef(step, max_grad_norm), clip_value)
+        groups = self.optimizer.param_groups
+        self.peak_lr = [max(peak, g["lr"]) for peak, g in zip(self.peak_lr, groups, strict=True)]
+        hypers = [
+            update.step_hyper(g, t, self.config, p if sparse else None)
+            for g, p in zip(groups, self.peak_lr, strict=True)
+        ]
+        gathers: list[Pending | None] = []
+        for i, (bs, g) in enumerate(zip(self.buckets, synced, strict=True)):
+            hyper = hypers[bs.layout.group_index]
+            if sparse:
+                update.sparse_update(bs, self.masks.in_use(i), g, hyper)
+            else:
+                update.dense_update(bs, g, hyper)
+            gathers.append(self._launch_param_gather(bs, sparse))
+        if sparse:  # the next masks are built while the parameter gathers are in flight
+            self.masks.after_sparse_step(t)
+        for i, (bs, pending) in enumerate(zip(self.buckets, gathers, strict=True)):
+            if pending is not None:
+                self.counters.timed_wait(pending)
+            if sparse:
+                update.apply_sparse(bs, self.masks.in_use(i), hypers[bs.layout.group_index].decay)
+        if sparse:
+            self.masks.finish_sparse_step()
+        elif t == self.config.dense_steps:
+            self._finish_warmup(t)
+        self._close_step(applied=True)
+
+    @torch.no_grad()
+    def global_grad_norm(self) -> float:
+        """Global L2 norm of this step's synchronised gradient, before clipping (call after backward).
+
+        Finishes the step's synchronisation early (:meth:`step` then does not wait again). In sharded mode
+        it costs the scalar all-reduce that norm clipping uses, shared with it.
+        """
+        step = self._open_step()
+        step.launch_in_order(all_buckets=True)
+        norm = step.squared_norm().sqrt()
+        self.last_grad_norm = float(norm.item())
+        return self.last_grad_norm
+
+    def close(self, wait: bool = True) -> None:
+        """Remove the gradient hooks and wait for collectives still in flight.
+
+        Args:
+            wait: False after a failed collective: drop what is in flight instead of waiting for it.
+        """
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if not wait:
+            return
+        self.masks.wait_all()
+        if self._step is not None:
+            self._step.wait_all()
+            self._step = None
+
+    def current_masks(self) -> list[Tensor]:
+        """Per bucket, the mask the next sparse step will use (waits for its all-gather)."""
+        out = []
+        for queue in self.masks.queues:
+            if not queue:
+                raise RuntimeError("No mask is queued yet: the engine is still in dense warm-up.")
+            self.masks.wait(queue[0])
+            out.append(queue[0].indices)
+        return out
+
+    def last_built_masks(self) -> list[Tensor]:
+        """Per bucket, the most recently built mask (waits for its all-gather)."""
+        out = []
+        for mask in self.masks.last_built:
+            if mask is None:
+                raise RuntimeError("No mask has been built yet: the engine is still in dense warm-up.")
+            self.masks.wait(mask)
+            out.append(mask.indices)
+        return out
+
+    def oldest_unsent_age(self) -> int:
+        """Steps since the least recently sent coordinate of this rank's region was last sent."""
+        if self.in_warmup:
+            return 0
+        return max(int(self.step_count - bs.last_sent.min().item()) for bs in self.buckets)
+
+    def residual_norm(self) -> float:
+        """L2 norm of this rank's error-feedback residual."""
+        return float(torch.stack([bs.residual.float().norm() for bs in self.buckets]).norm())
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's SCAPE state (see :func:`lightning_scape.engine.state.engine_state`); every rank saves its own."""
+        return state.engine_state(self)
+
+    def check_state_dict(self, saved: Any) -> None:
+        """Raise ``ValueError`` unless :meth:`load_state_dict` can restore ``saved`` exactly; changes nothing."""
+        state.check_engine_state(self, saved)
+
+    @torch.no_grad()
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; refuses (changing nothing) a state that :meth:`check_state_dict` rejects."""
+        state.load_engine_state(self, saved)
+
+    def reshard_state_dicts(self, saved: Iterable[Any]) -> dict[str, Any]:
+        """This rank's state from every rank's :meth:`state_dict` of a run on another world size.
+
+        Args:
+            saved: The saved ranks' states in rank order; an iterator is consumed one state at a time, so they
+                can be read from their files lazily (see :class:`~lightning_scape.engine.state.StateResharder`).
+
+        Returns:
+            The state to pass to :meth:`load_state_dict`, which also rebuilds the masks (every rank must load at
+            the same point).
+        """
+        return state.reshard_engine_state(self, saved)
+
+    # ------------------------------------------------------------------ the step in flight
+
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if not self.require_backward_grad_sync:
+            return
+        with torch.no_grad():
+            self._open_step().grad_ready(self._bucket_index[id(p)])
+
+    def _open_step(self) -> StepInFlight:
+        if self._step is None:
+            self._step = StepInFlight(
+                self.buckets,
+                self.config,
+                self.comm,
+                self.counters,
+                self.masks,
+                step=self.step_count + 1,
+                dense=self.in_warmup,
+                loss_scale=None if self.loss_scale is None else float(self.loss_scale()),
+                skip_nonfinite=self.skip_nonfinite,
+            )
+        return self._step
+
+    def _close_step(self, applied: bool) -> None:
+        self.last_step_skipped = not applied
+        if applied:
+            self.step_count += 1
+            self.counters.steps = self.step_count
+        self._step = None
+
+    def _clip_coef(self, step: StepInFlight, max_grad_norm: float | None) -> Tensor | None:
+        """Global-norm clipping coefficient, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+        if max_grad_norm is None:
+            return None
+        norm = step.squared_norm().sqrt()
+        self.last_grad_norm = float(norm.item())
+        return (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+
+    def _launch_param_gather(self, bs: BucketState, sparse: bool) -> Pending | None:
+        """Sharded mode: every owner's updated parameters to every rank (replicated mode has them already)."""
+        if not self.config.sharded:
+            return None
+        item = bs.layout.dtype.itemsize
+        if sparse:
+            assert bs.gathered is not None
+            self.counters.count_all_gather(KIND_PARAMS, bs.region_slots, item)
+            return self.comm.all_gather(bs.gathered, bs.updated)
+        # The gradient shard is consumed: reuse it as the all-gather's send buffer.
+        send = bs.dense_synced()
+        send.copy_(bs.region_params)
+        self.counters.count_all_gather(KIND_DENSE, bs.layout.shard_numel, item)
+        return self.comm.all_gather(bs.params, send)
+
+    def _finish_warmup(self, t: int) -> None:
+        """After the last dense step: every coordinate counts as sent now, and the first masks are built."""
+        for bs in self.buckets:
+            bs.dense_shard = None
+            bs.last_sent.fill_(t)
+        self.masks.begin()

@@ -1,0 +1,106 @@
+"""Setting a model and its optimizer up for SCAPE: rank 0's weights everywhere, the engine, and its log line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_scape.comm import make_communicator
+from lightning_scape.config import ScapeConfig
+from lightning_scape.engine import ScapeEngine
+from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
+
+if TYPE_CHECKING:
+    from torch.amp import GradScaler
+
+
+def broadcast_module_states(module: Module) -> None:
+    """Give every rank rank 0's parameters and buffers (what DDP's constructor does), once at set-up."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    from torch.distributed.utils import _sync_module_states
+
+    group = dist.group.WORLD
+    assert group is not None
+    _sync_module_states(module, group, 250 * 1024 * 1024, 0, set(), True)
+
+
+def build_scape_optimizer(
+    optimizer: Optimizer,
+    config: ScapeConfig,
+    module: Module | None,
+    scaler: GradScaler | None,
+) -> ScapeOptimizer:
+    """Convert ``optimizer``, build the engine on this process's group, and wrap both.
+
+    Args:
+        optimizer: The user's optimizer (AdamS, AdamW or Adam).
+        config: The SCAPE configuration.
+        module: The model, for the order its gradients arrive in (None: param-group order).
+        scaler: The precision plugin's enabled ``GradScaler`` (fp16 mixed precision), if any: the engine
+            divides its scale out of the gradients and skips non-finite steps on every rank.
+
+    Returns:
+        The optimizer to hand back to Lightning.
+    """
+    if isinstance(optimizer, ScapeOptimizer):
+        raise ValueError("This optimizer was already set up by a SCAPE strategy; set up the original once.")
+    adams = to_adams(optimizer)
+    order = list(module.parameters()) if module is not None else None
+    loss_scale: Callable[[], float] | None = None if scaler is None else scaler.get_scale
+    engine = ScapeEngine(
+        adams,
+        config,
+        make_communicator(config.collective_timeout_s),
+        param_order=order,
+        # The strategies broadcast rank 0's parameters and buffers at module set-up (broadcast_module_states).
+        sync_params=False,
+        loss_scale=loss_scale,
+        skip_nonfinite=scaler is not None,
+    )
+    rank_zero_info(describe_engine(engine))
+    return ScapeOptimizer(adams, engine, source=optimizer)
+
+
+def describe_engine(engine: ScapeEngine) -> str:
+    """One line for the log: the parameters, the dense warm-up, and the density the sparse steps really send.
+
+    The effective density is the mask slots over the (padded) coordinates. It is ``slots_per_chunk /
+    chunk_size`` (41 / 4096 = 1.00% for d = 0.01), except in a model so small that some buckets use smaller
+    chunks (``docs/algorithm.md``, layout), where one slot per chunk is more than d.
+    """
+    cfg = engine.config
+    slots = sum(bs.layout.chunks * cfg.slots_for(bs.layout.chunk_size) for bs in engine.buckets)
+    density = slots / engine.padded_numel
+    n = len(engine.buckets)
+    phases = []
+    if cfg.dense_warmup_steps:
+        phases.append(f"the first {cfg.dense_warmup_steps} steps dense (dense_warmup_steps)")
+        if cfg.density_ramp_steps:
+            dense_ramp = cfg.dense_steps - cfg.dense_warmup_steps
+            phases.append(
+                f"a density ramp over {cfg.density_ramp_steps} steps (density_ramp_steps; its first {dense_ramp} dense)"
+            )
+    phases.append(f"then {density:.2%} of the coordinates per step (effective density; density={cfg.density:g})")
+    line = f"lightning_scape: SCAPE on {engine.numel:,} parameters in {_count(n, 'bucket')}: " + ", ".join(phases)
+    small = [bs.layout for bs in engine.buckets if bs.layout.chunk_size < cfg.chunk_size]
+    if small:
+        sizes = "; ".join(
+            f"{b.numel:,} parameters in chunks of {b.chunk_size:,}, {_count(cfg.slots_for(b.chunk_size), 'slot')} each"
+            for b in small
+        )
+        line += (
+            f". This model is small: {_count(len(small), 'bucket')} {'uses' if len(small) == 1 else 'use'} chunks "
+            "smaller than chunk_size="
+            f"{cfg.chunk_size}, sized so that the padding the dense steps send stays within 5% ({sizes})"
+        )
+    return line + "."
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
