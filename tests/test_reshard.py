@@ -20,7 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.kernels import mask_positions, select_mask
-from lightning_scape.wiring import checkpoint_files
+from lightning_scape.wiring import checkpoint_protocol
 
 # Several buckets (bucket_cap_mb ~ 1.5k fp64 values), chunks of 64 with 3 slots, a warm-up of 2 steps and a
 # density ramp over steps 3..5, so a resume after step 4 lands mid-ramp.
@@ -348,10 +348,10 @@ def _write_checkpoint(path: str, states: list[dict[str, Any]], save_id: str) -> 
     """A Fabric-style checkpoint of ``len(states)`` ranks: the main file with its stub, and the rank files."""
     io = TorchCheckpointIO()
     fulls = [{"state": {}, "param_groups": [{"lr": 1e-3, "params": [0]}], "scape": s} for s in states]
-    stub = checkpoint_files.make_stub(fulls[0], save_id)
+    stub = checkpoint_protocol.make_stub(fulls[0], save_id)
     io.save_checkpoint({"optimizer": stub}, path)
     for rank, full in enumerate(fulls):
-        checkpoint_files.save_rank_states(io, path, rank, len(states), {"optimizer": full}, save_id)
+        checkpoint_protocol.save_rank_states(io, path, rank, len(states), {"optimizer": full}, save_id)
     return stub
 
 
@@ -362,27 +362,27 @@ def test_checkpoint_files_of_another_world_size_are_read_one_by_one_and_checked(
     stub = _write_checkpoint(path, [r["state"] for r in first], "id-1")
     io = TorchCheckpointIO()
     _, engine = _engine(None, cfg, first[0]["params"])
-    loaded = checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
-    assert checkpoint_files.stub_world_size(stub) == 2
+    loaded = checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
+    assert checkpoint_protocol.stub_world_size(stub) == 2
     engine.load_state_dict(loaded["optimizer"]["scape"])
     for i, bs in enumerate(engine.buckets):
         numel = bs.layout.numel
         assert torch.equal(bs.residual[:numel], sum(r["state"]["buckets"][i]["residual"][:numel] for r in first) / 2)
     # Without the engines a checkpoint of another world size is still refused.
     with pytest.raises(ValueError, match="written by 2 ranks, but this run has 1"):
-        checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 0, 1)
+        checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 1)
     # A rank file of another save, a missing one, a truncated one: refused, naming the file.
     other = str(tmp_path / "other.ckpt")
     _write_checkpoint(other, [r["state"] for r in first], "id-2")
-    os.replace(checkpoint_files.rank_state_path(other, 1), checkpoint_files.rank_state_path(path, 1))
+    os.replace(checkpoint_protocol.rank_state_path(other, 1), checkpoint_protocol.rank_state_path(path, 1))
     with pytest.raises(ValueError, match=r"rank-00001\.pt' does not belong"):
-        checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
-    os.remove(checkpoint_files.rank_state_path(path, 1))
+        checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
+    os.remove(checkpoint_protocol.rank_state_path(path, 1))
     with pytest.raises(FileNotFoundError, match=r"rank 1 \(of 2: re-sharding reads every rank's file\) is missing"):
-        checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
+        checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
     _write_checkpoint(path, [r["state"] for r in first], "id-1")
-    with open(checkpoint_files.rank_state_path(path, 1), "r+b") as f:
+    with open(checkpoint_protocol.rank_state_path(path, 1), "r+b") as f:
         f.truncate(200)
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 .*rank-00001\.pt.*truncated or corrupt"):
-        checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
+        checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
     engine.close()

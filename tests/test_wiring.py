@@ -21,7 +21,7 @@ import lightning_scape
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, ScapeOptimizer, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.config import OPTION_NAMES, ScapeOptions
-from lightning_scape.wiring import checkpoint_files, engine_setup, warmup_notice
+from lightning_scape.wiring import checkpoint_protocol, engine_setup, warmup_notice
 from lightning_scape.wiring.optimizer import to_adams
 
 CFG = ScapeConfig(**SCAPE)
@@ -175,34 +175,92 @@ def test_rank_files_are_tied_to_their_checkpoint(tmp_path: Any) -> None:
     opt = engine_setup.build_scape_optimizer(AdamS(net.parameters(), lr=0.01), CFG, net, None)
     full = opt.state_dict()
     path = str(tmp_path / "model.ckpt")
-    stub = checkpoint_files.make_stub(full, "id-1")
+    stub = checkpoint_protocol.make_stub(full, "id-1")
     io.save_checkpoint({"optimizer": stub}, path)
-    checkpoint_files.save_rank_states(io, path, 0, 1, {"optimizer": full}, "id-1")
+    checkpoint_protocol.save_rank_states(io, path, 0, 1, {"optimizer": full}, "id-1")
     assert os.path.isfile(tmp_path / "model.ckpt.scape" / "rank-00000.pt")
-    loaded = checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 0, 1)
+    loaded = checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 1)
     opt.check_state_dict(loaded["optimizer"])
     with pytest.raises(ValueError, match="written by 1 ranks, but this run has 2"):
-        checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 0, 2)
+        checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 2)
     with pytest.raises(ValueError, match="does not belong"):
-        checkpoint_files.load_rank_states(io, path, {"optimizer": checkpoint_files.make_stub(full, "id-2")}, 0, 1)
+        checkpoint_protocol.load_rank_states(io, path, {"optimizer": checkpoint_protocol.make_stub(full, "id-2")}, 0, 1)
     with pytest.raises(FileNotFoundError, match=r"rank 1 is missing.*\.scape"):
-        checkpoint_files.load_rank_states(io, path, {"optimizer": stub}, 1, 1)
+        checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 1, 1)
     with pytest.raises(ValueError, match="not written by a SCAPE strategy"):
-        checkpoint_files.load_rank_states(io, path, {"optimizer": {"state": {}, "param_groups": []}}, 0, 1)
+        checkpoint_protocol.load_rank_states(io, path, {"optimizer": {"state": {}, "param_groups": []}}, 0, 1)
     with open(path, "r+b") as f:
         f.truncate(100)
     with pytest.raises(RuntimeError, match="truncated or corrupt"):
-        checkpoint_files.load_main_checkpoint(io, path, weights_only=None)
+        checkpoint_protocol.load_main_checkpoint(io, path, weights_only=None)
     # A pickled object (a plain DataLoader in the saved state) is not corruption: the error names the class.
     pickled = str(tmp_path / "pickled.ckpt")
     io.save_checkpoint({"loader": torch.utils.data.DataLoader([1, 2])}, pickled)
     with pytest.raises(RuntimeError, match=r"refuses \(torch\.utils\.data\.dataloader\.DataLoader\)"):
-        checkpoint_files.load_main_checkpoint(io, pickled, weights_only=None)
-    checkpoint_files.remove_rank_states(io, path, 0, is_global_zero=True)
+        checkpoint_protocol.load_main_checkpoint(io, pickled, weights_only=None)
+    checkpoint_protocol.remove_rank_states(io, path, 0, is_global_zero=True)
     assert not os.path.exists(tmp_path / "model.ckpt.scape")
     with pytest.raises(ValueError, match="shape mismatch"):
-        checkpoint_files.check_module_state(
+        checkpoint_protocol.check_module_state(
             make_net(), {**make_net().state_dict(), "0.bias": torch.zeros(3)}, True, "ckpt"
+        )
+
+
+def test_protocol_writes_rank_files_before_the_main_file_and_checks_before_loading(tmp_path: Any) -> None:
+    """The protocol both strategies call, on one rank: the save's order and name, and the checks of a load."""
+    io = TorchCheckpointIO()
+    net = make_net()
+    opt = engine_setup.build_scape_optimizer(AdamS(net.parameters(), lr=0.01), CFG, net, None)
+    path = str(tmp_path / "model.ckpt")
+    seen: list[str] = []
+
+    def barrier(name: str) -> None:
+        seen.append(name)
+        assert os.path.isfile(checkpoint_protocol.rank_state_path(path, 0)) and not os.path.exists(path)
+
+    checkpoint_protocol.save_scape_checkpoint(
+        io,
+        path,
+        {"optimizer": opt.state_dict()},
+        lambda stubs: {"model": net.state_dict(), **stubs},
+        rank=0,
+        world_size=1,
+        broadcast=lambda save_id: save_id,
+        barrier=barrier,
+    )
+    assert seen == ["scape_save_checkpoint"]
+    main = io.load_checkpoint(path)
+    assert list(main) == ["model", "optimizer"] and checkpoint_protocol.is_scape_stub(main["optimizer"])
+
+    def plan(checkpoint: dict[str, Any], **kwargs: Any) -> checkpoint_protocol.LoadPlan:
+        return checkpoint_protocol.LoadPlan(
+            stubs={"optimizer": checkpoint.get("optimizer")},
+            optimizers={"optimizer": opt},
+            modules={"model": (net, checkpoint["model"], True)},
+            **kwargs,
+        )
+
+    def read(**kwargs: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        return checkpoint_protocol.read_and_check(
+            io, path, lambda c: plan(c, **kwargs), rank=0, world_size=1, weights_only=None
+        )
+
+    checkpoint, full = read(name_keys=True)
+    assert checkpoint_protocol.is_scape_stub(checkpoint["optimizer"])  # the caller puts the full states in place
+    assert list(full) == ["optimizer"] and checkpoint_protocol.is_scape_state(full["optimizer"])
+    opt.check_state_dict(full["optimizer"])
+    with pytest.raises(KeyError, match="'extra' that does not exist"):
+        read(required=("model", "optimizer", "extra"))
+    other = make_net()
+    other[0] = torch.nn.Linear(other[0].in_features, other[0].out_features + 1)
+    with pytest.raises(ValueError, match=r"model.ckpt', 'model' does not fit the model"):
+        checkpoint_protocol.read_and_check(
+            io,
+            path,
+            lambda c: checkpoint_protocol.LoadPlan(modules={"model": (other, c["model"], True)}, name_keys=True),
+            rank=0,
+            world_size=1,
+            weights_only=None,
         )
 
 

@@ -39,26 +39,71 @@ def engine_state(engine: ScapeEngine) -> dict[str, Any]:
     """This rank's SCAPE state (waits for masks still being gathered)."""
     engine.masks.wait_all()
     masks = engine.masks
+    return _outline(
+        engine,
+        step_count=engine.step_count,
+        refresh_count=masks.refresh_count,
+        peak_lr=list(engine.peak_lr),
+        counters=engine.counters.state_dict(),
+        buckets=[
+            _bucket_state(
+                bs.momentum.clone(),
+                bs.residual.clone(),
+                bs.last_sent.clone(),
+                masks=[m.indices.clone() for m in masks.queues[i]],
+                last_built=None if (lb := masks.last_built[i]) is None else lb.indices.clone(),
+            )
+            for i, bs in enumerate(engine.buckets)
+        ],
+    )
+
+
+def _outline(
+    engine: ScapeEngine,
+    *,
+    step_count: int,
+    refresh_count: int,
+    peak_lr: list[float],
+    counters: dict[str, Any],
+    buckets: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The outline of a state for ``engine``, saved or re-sharded: its identity, then the given values.
+
+    Args:
+        engine: The engine the state is for: its version, configuration, world size, rank and layout.
+        step_count: The optimizer steps taken.
+        refresh_count: The mask refreshes done.
+        peak_lr: Per param group, the peak learning rate.
+        counters: The byte counters' state.
+        buckets: Per bucket, :func:`_bucket_state`.
+
+    Returns:
+        The state, its keys in the order every saved state has them.
+    """
     return {
         "version": STATE_VERSION,
         "config": engine.config.to_dict(),
         "world_size": engine.world_size,
         "rank": engine.rank,
         "layout": _layout(engine),
-        "step_count": engine.step_count,
-        "refresh_count": masks.refresh_count,
-        "peak_lr": list(engine.peak_lr),
-        "counters": engine.counters.state_dict(),
-        "buckets": [
-            {
-                "momentum": bs.momentum.clone(),
-                "residual": bs.residual.clone(),
-                "last_sent": bs.last_sent.clone(),
-                "masks": [m.indices.clone() for m in masks.queues[i]],
-                "last_built": None if (lb := masks.last_built[i]) is None else lb.indices.clone(),
-            }
-            for i, bs in enumerate(engine.buckets)
-        ],
+        "step_count": step_count,
+        "refresh_count": refresh_count,
+        "peak_lr": peak_lr,
+        "counters": counters,
+        "buckets": buckets,
+    }
+
+
+def _bucket_state(
+    momentum: Tensor, residual: Tensor, last_sent: Tensor, masks: list[Tensor], last_built: Tensor | None
+) -> dict[str, Any]:
+    """One bucket's part of a state: its tensors, and its queued and last-built masks' indices."""
+    return {
+        "momentum": momentum,
+        "residual": residual,
+        "last_sent": last_sent,
+        "masks": masks,
+        "last_built": last_built,
     }
 
 
@@ -225,22 +270,18 @@ class StateResharder:
         for residual, rest, total, owner in zip(self._residual, self._rest, self._sum, self._owner, strict=True):
             # W' E - e_old_owner, with E = sum / W; on one rank E itself (the owner's share is the whole mass).
             residual[rest] = total * engine.world_size / W - owner
-        return {
-            "version": STATE_VERSION,
-            "config": engine.config.to_dict(),
-            "world_size": engine.world_size,
-            "rank": engine.rank,
-            "layout": _layout(engine),
-            "step_count": self._first["step_count"],
-            "refresh_count": self._first["refresh_count"],
-            "peak_lr": list(self._first["peak_lr"]),
-            "counters": self._counters,
-            "buckets": [
-                {"momentum": m, "residual": e, "last_sent": s, "masks": [], "last_built": None}
+        state = _outline(
+            engine,
+            step_count=self._first["step_count"],
+            refresh_count=self._first["refresh_count"],
+            peak_lr=list(self._first["peak_lr"]),
+            counters=self._counters,
+            buckets=[
+                _bucket_state(m, e, s, masks=[], last_built=None)
                 for m, e, s in zip(self._momentum, self._residual, self._last_sent, strict=True)
             ],
-            RESHARDED_FROM: W,
-        }
+        )
+        return {**state, RESHARDED_FROM: W}
 
     def _check(self, state: Any, rank: int) -> None:
         """Everything :meth:`add` relies on: version, origin, configuration, layout, shapes, counters."""

@@ -7,7 +7,6 @@ shares with the Trainer's (``lightning_scape/pytorch/strategy.py``) lives in
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -30,7 +29,7 @@ from typing_extensions import Unpack, override
 
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring import checkpoint_files, engine_setup, loss_scaling, registry, warmup_notice
+from lightning_scape.wiring import checkpoint_protocol, engine_setup, loss_scaling, registry, warmup_notice
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
 
@@ -266,16 +265,17 @@ class ScapeStrategy(DDPStrategy):
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             return
         converted = self._convert_stateful_objects_in_state(state, filter=(filter or {}))
-        save_id = checkpoint_files.new_save_id(self.broadcast)
-        full = {k: converted[k] for k in keys}
-        for k in keys:
-            converted[k] = checkpoint_files.make_stub(full[k], save_id)
-        checkpoint_files.save_rank_states(
-            self.checkpoint_io, path, self.global_rank, self.world_size, full, save_id, storage_options
+        checkpoint_protocol.save_scape_checkpoint(
+            self.checkpoint_io,
+            path,
+            {k: converted[k] for k in keys},
+            lambda stubs: {**converted, **stubs},  # the stubs take the full states' places, in the same order
+            rank=self.global_rank,
+            world_size=self.world_size,
+            broadcast=self.broadcast,
+            barrier=self.barrier,
+            storage_options=storage_options,
         )
-        self.barrier()
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
 
     @override
     def load_checkpoint(
@@ -293,18 +293,17 @@ class ScapeStrategy(DDPStrategy):
             )
         if not isinstance(state, dict) or not state:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        scape = {k: unwrap_optimizer(v) for k, v in state.items()}
-        scape = {k: v for k, v in scape.items() if isinstance(v, ScapeOptimizer)}
-        error: BaseException | None = None
-        checkpoint: dict[str, Any] = {}
-        full: dict[str, dict[str, Any]] = {}
-        try:
-            checkpoint, full = self._read_and_check(path, state, scape, strict, weights_only)
-        except Exception as exc:
-            error = exc
-        checkpoint_files.agree(error, f"Loading checkpoint {os.fspath(path)!r}")
+        scape = {k: opt for k, v in state.items() if isinstance(opt := unwrap_optimizer(v), ScapeOptimizer)}
+        checkpoint, full = checkpoint_protocol.read_and_check(
+            self.checkpoint_io,
+            path,
+            lambda main: _load_plan(main, state, scape, strict),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            weights_only=weights_only,
+        )
         if scape:
-            self._checkpoint_world_size = checkpoint_files.stub_world_size(checkpoint[next(iter(scape))])
+            self._checkpoint_world_size = checkpoint_protocol.stub_world_size(checkpoint[next(iter(scape))])
         for name, obj in list(state.items()):
             if name not in checkpoint:
                 continue
@@ -319,42 +318,6 @@ class ScapeStrategy(DDPStrategy):
                 state[name] = checkpoint.pop(name)
         return checkpoint
 
-    def _read_and_check(
-        self,
-        path: _PATH,
-        state: dict[str, Any],
-        scape: dict[str, ScapeOptimizer],
-        strict: bool,
-        weights_only: bool | None,
-    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-        """Read the checkpoint and this rank's SCAPE file and check that everything fits; loads nothing."""
-        checkpoint = checkpoint_files.load_main_checkpoint(self.checkpoint_io, path, weights_only)
-        full = checkpoint_files.load_rank_states(
-            self.checkpoint_io,
-            path,
-            {k: checkpoint.get(k) for k in scape},
-            self.global_rank,
-            self.world_size,
-            weights_only,
-            engines={k: opt.engine for k, opt in scape.items()},
-        )
-        where = f"Checkpoint {os.fspath(path)!r}"
-        for k, opt in scape.items():
-            try:
-                opt.check_state_dict(full[k])
-            except ValueError as exc:
-                raise ValueError(f"{where}, {k!r}: {exc} Nothing was loaded.") from exc
-        for k, obj in state.items():
-            if isinstance(obj, Module) and k in checkpoint:
-                checkpoint_files.check_module_state(obj, checkpoint[k], strict, f"{where}, {k!r}")
-        missing = [k for k in state if k not in checkpoint]
-        if strict and missing:
-            raise KeyError(
-                f"The requested state contains a key {missing[0]!r} that does not exist in the loaded checkpoint. "
-                "To disable strict loading, set `strict=False`."
-            )
-        return checkpoint, full
-
     # -------------------------------------------------------------------------------------- lifecycle
 
     @override
@@ -364,6 +327,19 @@ class ScapeStrategy(DDPStrategy):
         for opt in self._scape_optimizers:
             opt.engine.close(wait=not self._failed)
         super().teardown()
+
+    def warn_if_all_dense(self, planned_steps: float | None) -> None:
+        """Warn once, on rank 0, if the run's steps would all be sent dense (a ``DenseWarmupWarning``).
+
+        Fabric does not know how long a run will be, so without this call the warning comes at the end of the
+        run. A training loop that knows its length (``lightning-scape pretrain``) calls it before the first
+        step, while the warm-up can still be changed.
+
+        Args:
+            planned_steps: The optimizer steps the run will take; None or inf when not known (then nothing is
+                said now).
+        """
+        self._warmup_notice.before_run(self.scape_config, planned_steps)
 
     def _note_end_of_run(self) -> None:
         """Warn (once, rank 0) if the run ended inside its dense warm-up; called at teardown and at exit."""
@@ -393,6 +369,31 @@ class _ScapeBackwardSyncControl(_BackwardSyncControl):
             if opt.owns(module):
                 return opt.engine.no_sync()
         return nullcontext()  # no optimizer set up for this module yet: nothing would be sent anyway
+
+
+def _load_plan(
+    checkpoint: dict[str, Any], state: dict[str, Any], scape: dict[str, ScapeOptimizer], strict: bool
+) -> checkpoint_protocol.LoadPlan:
+    """What ``fabric.load(path, state)`` loads from ``checkpoint``: the state's SCAPE optimizers and modules.
+
+    Args:
+        checkpoint: The main checkpoint file's contents.
+        state: What the user asked to load, by key.
+        scape: The SCAPE optimizers among ``state``, by key.
+        strict: Whether every key of ``state`` must be in the checkpoint and modules must fit exactly.
+
+    Returns:
+        The plan for :func:`~lightning_scape.wiring.checkpoint_protocol.read_and_check`.
+    """
+    return checkpoint_protocol.LoadPlan(
+        stubs={k: checkpoint.get(k) for k in scape},
+        optimizers=scape,
+        modules={
+            k: (obj, checkpoint[k], strict) for k, obj in state.items() if isinstance(obj, Module) and k in checkpoint
+        },
+        required=tuple(state) if strict else (),
+        name_keys=True,
+    )
 
 
 def _shares_params(module: Module, optimizer: Optimizer) -> bool:

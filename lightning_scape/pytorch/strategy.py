@@ -30,7 +30,7 @@ from typing_extensions import Unpack, override
 
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring import checkpoint_files, engine_setup, loss_scaling, registry, warmup_notice
+from lightning_scape.wiring import checkpoint_protocol, engine_setup, loss_scaling, registry, warmup_notice
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
 
@@ -138,8 +138,8 @@ class ScapeStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _redirect_clipping(self.precision_plugin)
-            self._warmup_notice = warmup_notice.WarmupNotice()
-            self._warmup_notice.before_run(self.scape_config, _planned_steps(trainer))
+            self._warmup_notice = warmup_notice.WarmupNotice()  # a new fit may warn again
+            self.warn_if_all_dense(_planned_steps(trainer))
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -154,6 +154,18 @@ class ScapeStrategy(DDPStrategy):
         scaler = loss_scaling.grad_scaler_of(self.precision_plugin)
         scape = engine_setup.build_scape_optimizer(self.optimizers[0], self.scape_config, self.model, scaler)
         self.optimizers = [scape]
+
+    def warn_if_all_dense(self, planned_steps: float | None) -> None:
+        """Warn once, on rank 0, if the fit's steps would all be sent dense (a ``DenseWarmupWarning``).
+
+        Set-up calls it with ``trainer.estimated_stepping_batches``; when that is not known, the warning comes
+        at the end of the fit instead.
+
+        Args:
+            planned_steps: The optimizer steps the fit will take; None or inf when not known (then nothing is
+                said now).
+        """
+        self._warmup_notice.before_run(self.scape_config, planned_steps)
 
     # ----------------------------------------------------------------------------------------- a step
 
@@ -210,25 +222,29 @@ class ScapeStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Every rank writes its SCAPE state beside ``filepath``; rank 0 then writes ``filepath`` itself."""
         states = checkpoint.get("optimizer_states")
-        if not states or not any(checkpoint_files.is_scape_state(s) for s in states):
+        if not states or not any(checkpoint_protocol.is_scape_state(s) for s in states):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        save_id = checkpoint_files.new_save_id(self.broadcast)
-        full = {f"optimizer_states.{i}": s for i, s in enumerate(states) if checkpoint_files.is_scape_state(s)}
-        checkpoint = dict(checkpoint)
-        checkpoint["optimizer_states"] = [
-            checkpoint_files.make_stub(s, save_id) if checkpoint_files.is_scape_state(s) else s for s in states
-        ]
-        checkpoint_files.save_rank_states(
-            self.checkpoint_io, filepath, self.global_rank, self.world_size, full, save_id, storage_options
+
+        def with_stubs(stubs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+            return {**checkpoint, "optimizer_states": [stubs.get(_state_key(i), s) for i, s in enumerate(states)]}
+
+        checkpoint_protocol.save_scape_checkpoint(
+            self.checkpoint_io,
+            filepath,
+            {_state_key(i): s for i, s in enumerate(states) if checkpoint_protocol.is_scape_state(s)},
+            with_stubs,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            broadcast=self.broadcast,
+            barrier=self.barrier,
+            storage_options=storage_options,
         )
-        self.barrier("scape_save_checkpoint")
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove the checkpoint file (rank 0) and every rank's SCAPE file."""
-        checkpoint_files.remove_rank_states(self.checkpoint_io, filepath, self.global_rank, self.is_global_zero)
+        checkpoint_protocol.remove_rank_states(self.checkpoint_io, filepath, self.global_rank, self.is_global_zero)
         super().remove_checkpoint(filepath)
 
     @override
@@ -237,44 +253,45 @@ class ScapeStrategy(DDPStrategy):
 
         Every rank checks its own file; if any rank finds a problem, all of them stop with the error.
         """
-        error: BaseException | None = None
-        checkpoint: dict[str, Any] = {}
-        try:
-            checkpoint = self._read_and_check(checkpoint_path, weights_only)
-        except Exception as exc:
-            error = exc
-        checkpoint_files.agree(error, f"Loading checkpoint {os.fspath(checkpoint_path)!r}")
-        return checkpoint
-
-    def _read_and_check(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
-        checkpoint = checkpoint_files.load_main_checkpoint(self.checkpoint_io, checkpoint_path, weights_only)
-        opts = self.scape_optimizers
-        states = checkpoint.get("optimizer_states")
-        if not opts or states is None:  # not fitting (validate/test/predict), or a weights-only checkpoint
-            return checkpoint
-        where = f"Checkpoint {os.fspath(checkpoint_path)!r}"
-        if len(states) != len(opts):
-            raise ValueError(f"{where} has {len(states)} optimizer states, this run {len(opts)}. Nothing was loaded.")
-        keys = [f"optimizer_states.{i}" for i in range(len(states))]
-        full = checkpoint_files.load_rank_states(
+        checkpoint, full = checkpoint_protocol.read_and_check(
             self.checkpoint_io,
             checkpoint_path,
-            dict(zip(keys, states, strict=True)),
-            self.global_rank,
-            self.world_size,
-            weights_only,
-            engines={key: opt.engine for key, opt in zip(keys, opts, strict=True)},
+            lambda main: self._load_plan(main, f"Checkpoint {os.fspath(checkpoint_path)!r}"),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            weights_only=weights_only,
         )
-        for key, opt in zip(keys, opts, strict=True):
-            try:
-                opt.check_state_dict(full[key])
-            except ValueError as exc:
-                raise ValueError(f"{where}: {exc} Nothing was loaded.") from exc
+        if full:  # Lightning loads the full states where the stubs were
+            checkpoint["optimizer_states"] = [full[_state_key(i)] for i in range(len(full))]
+        return checkpoint
+
+    def _load_plan(self, checkpoint: dict[str, Any], where: str) -> checkpoint_protocol.LoadPlan:
+        """What a resumed fit loads from ``checkpoint``: its SCAPE optimizers' states and the module's.
+
+        Args:
+            checkpoint: The main checkpoint file's contents.
+            where: The checkpoint, as error messages name it.
+
+        Returns:
+            The plan for :func:`~lightning_scape.wiring.checkpoint_protocol.read_and_check`: nothing to check when
+            not fitting (validate/test/predict) or for a weights-only checkpoint.
+        """
+        opts = self.scape_optimizers
+        states = checkpoint.get("optimizer_states")
+        if not opts or states is None:
+            return checkpoint_protocol.LoadPlan()
+        if len(states) != len(opts):
+            raise ValueError(f"{where} has {len(states)} optimizer states, this run {len(opts)}. Nothing was loaded.")
+        keys = [_state_key(i) for i in range(len(states))]
+        modules: dict[str, tuple[Module, Any, bool]] = {}
         module = self.lightning_module
         if module is not None and "state_dict" in checkpoint:
-            checkpoint_files.check_module_state(module, checkpoint["state_dict"], module.strict_loading, where)
-        checkpoint["optimizer_states"] = [full[k] for k in keys]
-        return checkpoint
+            modules["state_dict"] = (module, checkpoint["state_dict"], module.strict_loading)
+        return checkpoint_protocol.LoadPlan(
+            stubs=dict(zip(keys, states, strict=True)),
+            optimizers=dict(zip(keys, opts, strict=True)),
+            modules=modules,
+        )
 
     # -------------------------------------------------------------------------------------- lifecycle
 
@@ -299,6 +316,11 @@ class ScapeStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
         registry.register_strategies(cls, strategy_registry)
+
+
+def _state_key(index: int) -> str:
+    """The key of the checkpoint's ``optimizer_states[index]`` in the checkpoint protocol's calls."""
+    return f"optimizer_states.{index}"
 
 
 def _planned_steps(trainer: pl.Trainer) -> float | None:

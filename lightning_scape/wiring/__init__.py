@@ -7,6 +7,6 @@ One module per concern, each used by both adapters (:mod:`lightning_scape.fabric
 * :mod:`~lightning_scape.wiring.engine_setup`: rank 0's weights everywhere, the engine, its log line;
 * :mod:`~lightning_scape.wiring.loss_scaling`: fp16 loss scaling;
 * :mod:`~lightning_scape.wiring.warmup_notice`: :class:`DenseWarmupWarning`, a run that never leaves its dense steps;
-* :mod:`~lightning_scape.wiring.checkpoint_files`: the checkpoint protocol (main file, per-rank SCAPE files);
+* :mod:`~lightning_scape.wiring.checkpoint_protocol`: the checkpoint protocol (main file, per-rank SCAPE files);
 * :mod:`~lightning_scape.wiring.registry`: the names ``"scape"`` and ``"scape_spawn"``.
 """

@@ -1,4 +1,4 @@
-"""SCAPE checkpoints on disk: the main file (model, stubs) and every rank's own SCAPE file beside it.
+"""SCAPE checkpoints: the protocol both strategies follow, and the files it writes and reads.
 
 A SCAPE optimizer's state is per rank (momentum shard, unsent-gradient residual, masks), so a checkpoint is
 two things: the main file, written by rank 0, which holds the model (replicated) and for each SCAPE
@@ -8,6 +8,10 @@ The save id ties the rank files to their main file. Loading reads and checks eve
 is loaded, and all ranks agree on the outcome (:func:`agree`), so no rank goes on alone. On another world
 size than the one that wrote the checkpoint, every rank reads all the rank files, one at a time, and
 re-shards them into its own state (:func:`load_rank_states`).
+
+The Fabric and the Trainer strategies differ only in where the optimizer states sit in the main file
+(Fabric: under the user's keys; the Trainer: in ``optimizer_states``), so both call the same two steps:
+:func:`save_scape_checkpoint` and :func:`read_and_check`.
 """
 
 from __future__ import annotations
@@ -18,19 +22,162 @@ import pickle
 import re
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 
 if TYPE_CHECKING:
     from lightning_scape.engine import ScapeEngine
+    from lightning_scape.wiring.optimizer import ScapeOptimizer
 
 CHECKPOINT_FORMAT = 1
 _STUB_KEY = "scape_checkpoint"
 _RANK_KEY = "scape_rank_state"
+# What both strategies name the barrier between the rank files and the main file (Lightning ignores the name).
+_SAVE_BARRIER = "scape_save_checkpoint"
+
+
+# ------------------------------------------------------------------------------------------- the protocol
+
+
+def save_scape_checkpoint(
+    io: CheckpointIO,
+    path: _PATH,
+    full_states: dict[str, dict[str, Any]],
+    with_stubs: Callable[[dict[str, dict[str, Any]]], dict[str, Any]],
+    *,
+    rank: int,
+    world_size: int,
+    broadcast: Callable[[str], str],
+    barrier: Callable[[str], None],
+    storage_options: Any = None,
+) -> None:
+    """Save a checkpoint that holds SCAPE optimizers: every rank writes its rank file, then rank 0 the main file.
+
+    Called on every rank. The ranks share a save id (rank 0's), each writes its full states to its own file
+    (:func:`rank_state_path`), and rank 0 writes the main file, with a stub in place of each full state, only
+    after a barrier: a main file on disk thus always has all its rank files.
+
+    Args:
+        io: The strategy's checkpoint IO; it writes the rank files too.
+        path: The main checkpoint file.
+        full_states: Per key, this rank's full state of a SCAPE optimizer (``ScapeOptimizer.state_dict()``).
+        with_stubs: The main file's contents, given per key of ``full_states`` the stub to put in place of the
+            full state (where it sits is the strategy's layout).
+        rank: This rank (its global rank).
+        world_size: The number of ranks.
+        broadcast: The strategy's broadcast (every rank gets rank 0's value).
+        barrier: The strategy's barrier; called with a name, which Lightning's barriers ignore.
+        storage_options: Passed on to the checkpoint IO.
+    """
+    save_id = new_save_id(broadcast)
+    main = with_stubs({k: make_stub(state, save_id) for k, state in full_states.items()})
+    save_rank_states(io, path, rank, world_size, full_states, save_id, storage_options)
+    barrier(_SAVE_BARRIER)
+    if rank == 0:
+        io.save_checkpoint(main, path, storage_options=storage_options)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a strategy is about to load from a checkpoint, as found in its main file: what gets checked.
+
+    Attributes:
+        stubs: Per key, what the main file holds where a SCAPE optimizer's stub should be (None: nothing).
+        optimizers: Per key of ``stubs``, the SCAPE optimizer that will load the full state.
+        modules: Per key, a module that will load a state from the main file: the module, that state, and
+            whether loading it is strict.
+        required: Keys the main file must hold (else ``KeyError``).
+        name_keys: Whether error messages name the key: Fabric's keys are the user's names, the Trainer's are
+            its own.
+    """
+
+    stubs: dict[str, Any] = field(default_factory=dict)
+    optimizers: dict[str, ScapeOptimizer] = field(default_factory=dict)
+    modules: dict[str, tuple[Module, Any, bool]] = field(default_factory=dict)
+    required: tuple[str, ...] = ()
+    name_keys: bool = False
+
+
+def read_and_check(
+    io: CheckpointIO,
+    path: _PATH,
+    plan: Callable[[dict[str, Any]], LoadPlan],
+    *,
+    rank: int,
+    world_size: int,
+    weights_only: bool | None,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Read a checkpoint and this rank's SCAPE state, and check that everything fits; loads nothing.
+
+    Called on every rank. Each reads the main file and its rank file (on another world size: every rank file,
+    re-sharded), checks the SCAPE states against their optimizers and the module states against their
+    modules, and then all ranks agree (:func:`agree`): if any rank failed, every rank raises, so none loads
+    alone.
+
+    Args:
+        io: The strategy's checkpoint IO.
+        path: The main checkpoint file.
+        plan: Given the main file's contents, what the strategy will load from it (may raise: the error is
+            agreed on like any other).
+        rank: This rank (its global rank).
+        world_size: The current number of ranks.
+        weights_only: Passed on to the checkpoint IO.
+
+    Returns:
+        The main file's contents, and per key of the plan's stubs the full optimizer state to load.
+    """
+    error: BaseException | None = None
+    checkpoint: dict[str, Any] = {}
+    full: dict[str, dict[str, Any]] = {}
+    try:
+        checkpoint, full = _read_and_check(io, path, plan, rank, world_size, weights_only)
+    except Exception as exc:
+        error = exc
+    agree(error, f"Loading checkpoint {os.fspath(path)!r}")
+    return checkpoint, full
+
+
+def _read_and_check(
+    io: CheckpointIO,
+    path: _PATH,
+    plan: Callable[[dict[str, Any]], LoadPlan],
+    rank: int,
+    world_size: int,
+    weights_only: bool | None,
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """One rank's part of :func:`read_and_check`: raises on the first problem."""
+    checkpoint = load_main_checkpoint(io, path, weights_only)
+    expected = plan(checkpoint)
+    engines = {k: opt.engine for k, opt in expected.optimizers.items()}
+    full = load_rank_states(io, path, expected.stubs, rank, world_size, weights_only, engines=engines)
+    where = f"Checkpoint {os.fspath(path)!r}"
+
+    def label(key: str) -> str:
+        return f"{where}, {key!r}" if expected.name_keys else where
+
+    for k, opt in expected.optimizers.items():
+        try:
+            opt.check_state_dict(full[k])
+        except ValueError as exc:
+            raise ValueError(f"{label(k)}: {exc} Nothing was loaded.") from exc
+    for k, (module, state, strict) in expected.modules.items():
+        check_module_state(module, state, strict, label(k))
+    missing = [k for k in expected.required if k not in checkpoint]
+    if missing:
+        raise KeyError(
+            f"The requested state contains a key {missing[0]!r} that does not exist in the loaded checkpoint. "
+            "To disable strict loading, set `strict=False`."
+        )
+    return checkpoint, full
+
+
+# ---------------------------------------------------------------------------------------------- the files
 
 
 def rank_state_dir(path: str | os.PathLike[str]) -> str:
