@@ -18,7 +18,7 @@ import torch
 from helpers import SCAPE, load_outputs
 
 from lightning_scape import AdamS, CommunicationMonitor, MaskMonitor, ScapeConfig, ScapeEngine
-from lightning_scape.comm import KINDS
+from lightning_scape.comm import TRAFFIC_KINDS
 from lightning_scape.kernels import mask_positions
 from lightning_scape.pytorch.monitors import topk_coverage
 
@@ -53,7 +53,7 @@ def test_trainer_monitors_log_the_engine_counters(trainer_runs: str) -> None:
         row = rows[a["global_step"]]
         assert row["comm/sent_bytes"] == sum(a["sent"].values()) == sum(b["sent"].values())
         assert not any(key.startswith("comm/received") for key in row)  # ring collectives: received == sent
-        for kind in KINDS:
+        for kind in TRAFFIC_KINDS:
             assert row[f"comm/sent_bytes/{kind}"] == a["sent"][kind]
         assert row["comm/dense_equivalent_bytes"] == a["dense_equivalent"]
         assert row["comm/compression_ratio"] == pytest.approx(a["dense_equivalent"] / sum(a["sent"].values()))

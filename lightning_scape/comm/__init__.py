@@ -5,32 +5,19 @@
 * :mod:`~lightning_scape.comm.fault_naming`: :class:`FaultNamingCommunicator` (failures name the rank that
   stopped answering) and the timeout arithmetic of the Lightning strategies;
 * :mod:`~lightning_scape.comm.thread_group`: W simulated ranks in one process;
-* :mod:`~lightning_scape.comm.counters`: :class:`ByteCounters`, bytes sent per kind of traffic.
+* :mod:`~lightning_scape.comm.counters`: :class:`ByteCounters`, bytes sent per :data:`Traffic` kind;
+* :mod:`~lightning_scape.comm.wire`: :class:`Wire`, through which the engine launches and counts every collective.
 """
 
 from lightning_scape.comm.base import Communicator, Done, Pending, SoloCommunicator
-from lightning_scape.comm.counters import (
-    KIND_DENSE,
-    KIND_INDICES,
-    KIND_PARAMS,
-    KIND_SCALARS,
-    KIND_SETUP,
-    KIND_VALUES,
-    KINDS,
-    ByteCounters,
-)
+from lightning_scape.comm.counters import TRAFFIC_KINDS, ByteCounters, Traffic
 from lightning_scape.comm.fault_naming import FaultNamingCommunicator, make_communicator
 from lightning_scape.comm.process_group import ProcessGroupCommunicator
 from lightning_scape.comm.thread_group import ThreadGroupCommunicator
+from lightning_scape.comm.wire import Wire, all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 
 __all__ = [
-    "KINDS",
-    "KIND_DENSE",
-    "KIND_INDICES",
-    "KIND_PARAMS",
-    "KIND_SCALARS",
-    "KIND_SETUP",
-    "KIND_VALUES",
+    "TRAFFIC_KINDS",
     "ByteCounters",
     "Communicator",
     "Done",
@@ -39,5 +26,10 @@ __all__ = [
     "ProcessGroupCommunicator",
     "SoloCommunicator",
     "ThreadGroupCommunicator",
+    "Traffic",
+    "Wire",
+    "all_gather_bytes",
+    "all_reduce_bytes",
     "make_communicator",
+    "reduce_scatter_bytes",
 ]

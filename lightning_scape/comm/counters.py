@@ -1,24 +1,28 @@
-"""Bytes each rank sends, by kind, counted with the ring formulas of ``docs/algorithm.md`` section 5.
+"""The ledger of bytes each rank sends, by kind of traffic, and of the time it waits for collectives.
 
-Per rank: an all-reduce of n elements sends ``2 (W-1)/W n b`` bytes, a reduce-scatter of a ``W n`` input
-``(W-1) n b``, an all-gather of ``n`` per rank ``(W-1) n b``. A ring collective receives as much as it sends.
+The bytes are added by :class:`~lightning_scape.comm.wire.Wire`, which launches every collective of the
+engine and holds the ring formulas. A ring collective receives as much as it sends, so only sent bytes are kept.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from lightning_scape.comm.base import Pending
+# The kinds of traffic the counters keep apart; a misspelt kind is a type error.
+Traffic = Literal[
+    "values",  # compact gradient values (sparse steps)
+    "params",  # parameter values at the mask (sharded sparse steps)
+    "indices",  # int16 mask indices (partitioned mask refresh)
+    "dense",  # dense steps: gradients and parameters
+    "scalars",  # gradient-norm and finiteness all-reduces
+    "setup",  # rank 0's parameters to every rank, once at construction
+]
+TRAFFIC_KINDS: tuple[Traffic, ...] = get_args(Traffic)
 
-# Kinds of traffic that the counters keep apart.
-KIND_VALUES = "values"  # compact gradient values (sparse steps)
-KIND_PARAMS = "params"  # parameter values at the mask (sharded sparse steps)
-KIND_INDICES = "indices"  # int16 mask indices (partitioned mask refresh)
-KIND_DENSE = "dense"  # dense warm-up: gradients and parameters
-KIND_SCALARS = "scalars"  # gradient-norm all-reduce and other scalars
-KIND_SETUP = "setup"  # rank 0's parameters to every rank, once at construction
-KINDS: tuple[str, ...] = (KIND_VALUES, KIND_PARAMS, KIND_INDICES, KIND_DENSE, KIND_SCALARS, KIND_SETUP)
+
+def _zeros() -> dict[Traffic, int]:
+    return dict.fromkeys(TRAFFIC_KINDS, 0)
 
 
 @dataclass
@@ -32,8 +36,8 @@ class ByteCounters:
     """
 
     world_size: int = 1
-    step_sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
-    total_sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    step_sent: dict[Traffic, int] = field(default_factory=_zeros)
+    total_sent: dict[Traffic, int] = field(default_factory=_zeros)
     step_dense_equivalent: int = 0
     total_dense_equivalent: int = 0
     step_wait_s: float = 0.0
@@ -47,38 +51,20 @@ class ByteCounters:
         self.step_dense_equivalent = 0
         self.step_wait_s = 0.0
 
-    def _add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: Traffic, nbytes: int) -> None:
+        """Count ``nbytes`` sent as ``kind`` this step."""
         self.step_sent[kind] += nbytes
         self.total_sent[kind] += nbytes
 
-    def count_all_reduce(self, kind: str, numel: int, itemsize: int) -> None:
-        """Ring all-reduce of ``numel`` elements: ``2 (W-1)/W numel b`` (rounded down to a byte)."""
-        w = self.world_size
-        self._add(kind, (2 * (w - 1) * numel * itemsize) // w)
+    def add_dense_equivalent(self, nbytes: int) -> None:
+        """Count ``nbytes`` that DDP would have sent for this step's gradients."""
+        self.step_dense_equivalent += nbytes
+        self.total_dense_equivalent += nbytes
 
-    def count_reduce_scatter(self, kind: str, input_numel: int, itemsize: int) -> None:
-        """Ring reduce-scatter of a ``W n`` input: ``(W-1) n b``."""
-        w = self.world_size
-        self._add(kind, ((w - 1) * input_numel * itemsize) // w)
-
-    def count_all_gather(self, kind: str, input_numel: int, itemsize: int) -> None:
-        """Ring all-gather of ``n`` elements per rank: ``(W-1) n b``."""
-        self._add(kind, (self.world_size - 1) * input_numel * itemsize)
-
-    def count_dense_equivalent(self, numel: int, itemsize: int) -> None:
-        """What DDP would send for ``numel`` gradient elements this step."""
-        w = self.world_size
-        n = (2 * (w - 1) * numel * itemsize) // w
-        self.step_dense_equivalent += n
-        self.total_dense_equivalent += n
-
-    def timed_wait(self, pending: Pending) -> None:
-        """``pending.wait()``, adding the blocked time to ``wait_s``."""
-        t0 = time.perf_counter()
-        pending.wait()
-        dt = time.perf_counter() - t0
-        self.step_wait_s += dt
-        self.total_wait_s += dt
+    def add_wait(self, seconds: float) -> None:
+        """Count ``seconds`` spent blocked in a collective's ``wait``."""
+        self.step_wait_s += seconds
+        self.total_wait_s += seconds
 
     @property
     def step_sent_bytes(self) -> int:

@@ -90,6 +90,18 @@ class BucketState:
         """``[slots]`` sharded mode's all-gather output."""
         return None if self._gathered is None else self._gathered[: self.slots]
 
+    def bind_params(self) -> None:
+        """Copy the parameters (and any gradients) into the flat buffers and make them views into them."""
+        for place in self.layout.places:
+            p = place.param
+            view = self.params[place.offset : place.offset + place.numel]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            grad_view = self.grads[place.offset : place.offset + place.numel].view_as(p)
+            if p.grad is not None:
+                grad_view.copy_(p.grad)
+            p.grad = grad_view
+
     def adopt_grads(self) -> None:
         """Make every parameter's ``.grad`` the bucket's view (copying a gradient that autograd replaced)."""
         for place in self.layout.places:

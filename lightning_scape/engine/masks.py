@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_scape import kernels
-from lightning_scape.comm import KIND_INDICES, ByteCounters, Communicator, Pending
+from lightning_scape.comm import Pending, Wire
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine.buckets import BucketState
 
@@ -41,8 +41,7 @@ class MaskSchedule:
     Args:
         buckets: The engine's buckets.
         config: The SCAPE configuration.
-        comm: The group's collectives (the index all-gathers).
-        counters: Where the index bytes are counted.
+        wire: The group's collectives (the index all-gathers), counted.
         beta1_of: The b1 of a bucket's param group (the momentum statistic reads it at build time).
     """
 
@@ -50,14 +49,12 @@ class MaskSchedule:
         self,
         buckets: list[BucketState],
         config: ScapeConfig,
-        comm: Communicator,
-        counters: ByteCounters,
+        wire: Wire,
         beta1_of: Callable[[BucketState], float],
     ) -> None:
         self.buckets = buckets
         self.config = config
-        self.comm = comm
-        self.counters = counters
+        self.wire = wire
         self.beta1_of = beta1_of
         self.queues: list[deque[Mask]] = [deque() for _ in buckets]
         self.last_built: list[Mask | None] = [None] * len(buckets)
@@ -121,8 +118,28 @@ class MaskSchedule:
     def wait(self, mask: Mask) -> None:
         """Wait for ``mask``'s all-gather, if it is still in flight."""
         if mask.pending is not None:
-            self.counters.timed_wait(mask.pending)
+            self.wire.wait(mask.pending)
             mask.pending = None
+
+    def next_masks(self) -> list[Tensor]:
+        """Per bucket, the mask the next sparse step will use (waits for its all-gather)."""
+        out = []
+        for queue in self.queues:
+            if not queue:
+                raise RuntimeError("No mask is queued yet: the engine is still in dense warm-up.")
+            self.wait(queue[0])
+            out.append(queue[0].indices)
+        return out
+
+    def newest_masks(self) -> list[Tensor]:
+        """Per bucket, the most recently built mask (waits for its all-gather)."""
+        out = []
+        for mask in self.last_built:
+            if mask is None:
+                raise RuntimeError("No mask has been built yet: the engine is still in dense warm-up.")
+            self.wait(mask)
+            out.append(mask.indices)
+        return out
 
     def wait_all(self) -> None:
         """Wait for every queued mask's all-gather."""
@@ -185,8 +202,7 @@ class MaskSchedule:
         else:
             own = kernels.select_mask(momentum, residual, self.beta1_of(bs), cfg.mask_statistic, C, k, ke, offset)
             full = torch.empty(bs.layout.chunks, k, dtype=torch.int16, device=dev)
-            mask = Mask(full, self.comm.all_gather(full.view(-1), own.view(-1)))
-            self.counters.count_all_gather(KIND_INDICES, own.numel(), 2)
+            mask = Mask(full, self.wire.all_gather("indices", full.view(-1), own.view(-1)))
         self.last_built[i] = mask
         self._built_in_refresh += 1
         if self._built_in_refresh == len(self.buckets):

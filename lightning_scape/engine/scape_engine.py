@@ -28,21 +28,14 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_scape.comm import (
-    KIND_DENSE,
-    KIND_PARAMS,
-    KIND_SETUP,
-    ByteCounters,
-    Communicator,
-    Pending,
-    SoloCommunicator,
-)
+from lightning_scape.comm import ByteCounters, Communicator, Pending, SoloCommunicator, Wire
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import feedback, state, update
 from lightning_scape.engine.buckets import BucketState
 from lightning_scape.engine.layout import build_buckets
 from lightning_scape.engine.masks import MaskSchedule
 from lightning_scape.engine.step import StepInFlight
+from lightning_scape.kernels import AdamSHyper
 
 __all__ = ["BucketState", "ScapeEngine"]
 
@@ -106,25 +99,17 @@ class ScapeEngine:
         self._hooks: list[Any] = []
         self._bucket_index: dict[int, int] = {}
         for i, bs in enumerate(self.buckets):
+            bs.bind_params()
             for place in bs.layout.places:
-                p = place.param
-                view = bs.params[place.offset : place.offset + place.numel]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
-                gview = bs.grads[place.offset : place.offset + place.numel].view_as(p)
-                if p.grad is not None:
-                    gview.copy_(p.grad)
-                p.grad = gview
-                self._bucket_index[id(p)] = i
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                self._bucket_index[id(place.param)] = i
+                self._hooks.append(place.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self.numel = sum(b.layout.numel for b in self.buckets)
         self.padded_numel = sum(b.layout.padded_numel for b in self.buckets)
         self.counters = ByteCounters(world_size=self.world_size)
+        self.wire = Wire(self.comm, self.counters)
         self._sync_initial_params(sync_params)
         groups = optimizer.param_groups
-        self.masks = MaskSchedule(
-            self.buckets, cfg, self.comm, self.counters, lambda bs: groups[bs.layout.group_index]["betas"][0]
-        )
+        self.masks = MaskSchedule(self.buckets, cfg, self.wire, lambda bs: groups[bs.layout.group_index]["betas"][0])
         self.step_count = 0
         # Per param group, the largest learning rate seen: catch_up_cap counts steps at it.
         self.peak_lr = [0.0] * len(optimizer.param_groups)
@@ -145,10 +130,9 @@ class ScapeEngine:
         for bs in self.buckets:
             if self.rank != 0:
                 bs.params.zero_()
-            pending.append(self.comm.all_reduce_sum(bs.params))
-            self.counters.count_all_reduce(KIND_SETUP, bs.layout.padded_numel, bs.layout.dtype.itemsize)
+            pending.append(self.wire.all_reduce_sum("setup", bs.params))
         for p in pending:
-            self.counters.timed_wait(p)
+            self.wire.wait(p)
 
     # ------------------------------------------------------------------ public API
 
@@ -191,9 +175,9 @@ class ScapeEngine:
     def step(self, max_grad_norm: float | None = None, clip_value: float | None = None) -> None:
         """Finish synchronising this step's gradients and update the parameters.
 
-        The step's communication schedule: the value collectives were launched by the backward hooks;
-        wait for them in order, agree on finiteness, clip, update every bucket, launch every parameter
-        all-gather, build the next masks while those are in flight, then wait for them in order and apply.
+        A dense step (:meth:`_dense_step`) or a sparse one (:meth:`_sparse_step`), each written as its
+        communication schedule. The value collectives were launched by the backward hooks; buckets that saw
+        no backward launch their zeros here.
 
         Args:
             max_grad_norm: Clip the global norm of the synchronised gradient (the averaged compact
@@ -201,44 +185,67 @@ class ScapeEngine:
             clip_value: Clamp every synchronised gradient value to ``[-clip_value, clip_value]``.
         """
         step = self._open_step()
-        step.launch_in_order(all_buckets=True)  # buckets that saw no backward send their zeros
-        t, sparse = step.step, not step.dense
+        step.launch_in_order(all_buckets=True)
+        if step.dense:
+            self._dense_step(step, max_grad_norm, clip_value)
+        else:
+            self._sparse_step(step, max_grad_norm, clip_value)
+
+    def _dense_step(self, step: StepInFlight, max_grad_norm: float | None, clip_value: float | None) -> None:
+        """A dense step (warm-up, and the ramp's dense steps), phase by phase."""
+        # 1. Wait for every bucket's averaged gradient, in order.
         synced = step.synced_grads()
+        # 2. fp16: a step with an inf/nan gradient on any rank is skipped on every rank.
+        if self.skip_nonfinite and step.any_nonfinite():
+            self._close_step(applied=False)
+            return
+        # 3. Clip the synchronised gradient.
+        update.clip_(synced, self._clip_coef(step, max_grad_norm), clip_value)
+        # 4. AdamS on this rank's region; sharded: launch each bucket's parameter all-gather at once.
+        hypers = self._hypers(step.step, sparse=False)
+        gathers = []
+        for bs, g in zip(self.buckets, synced, strict=True):
+            update.dense_update(bs, g, hypers[bs.layout.group_index])
+            gathers.append(self._launch_dense_param_gather(bs))
+        # 5. Wait for the gathers in order.
+        for pending in gathers:
+            if pending is not None:
+                self.wire.wait(pending)
+        # 6. After the last dense step: every coordinate counts as sent, and the first masks are built.
+        if step.step == self.config.dense_steps:
+            self._finish_warmup(step.step)
+        self._close_step(applied=True)
+
+    def _sparse_step(self, step: StepInFlight, max_grad_norm: float | None, clip_value: float | None) -> None:
+        """A sparse step at the one-step-delayed mask, phase by phase."""
+        masks = [self.masks.in_use(i) for i in range(len(self.buckets))]
+        # 1. Wait for every bucket's averaged values at the mask, in order.
+        synced = step.synced_grads()
+        # 2. fp16: skip a step with an inf/nan on any rank; else the residual takes this step's gradient.
         if self.skip_nonfinite:
             if step.any_nonfinite():
                 self._close_step(applied=False)
                 return
-            if sparse:
-                for i, bs in enumerate(self.buckets):
-                    feedback.commit(bs, self.masks.in_use(i))
-        if sparse:
-            self.last_used_masks = [self.masks.in_use(i) for i in range(len(self.buckets))]
+            for bs, mask in zip(self.buckets, masks, strict=True):
+                feedback.commit(bs, mask)
+        self.last_used_masks = masks
+        # 3. Clip the synchronised values.
         update.clip_(synced, self._clip_coef(step, max_grad_norm), clip_value)
-        groups = self.optimizer.param_groups
-        self.peak_lr = [max(peak, g["lr"]) for peak, g in zip(self.peak_lr, groups, strict=True)]
-        hypers = [
-            update.step_hyper(g, t, self.config, p if sparse else None)
-            for g, p in zip(groups, self.peak_lr, strict=True)
-        ]
-        gathers: list[Pending | None] = []
-        for i, (bs, g) in enumerate(zip(self.buckets, synced, strict=True)):
-            hyper = hypers[bs.layout.group_index]
-            if sparse:
-                update.sparse_update(bs, self.masks.in_use(i), g, hyper)
-            else:
-                update.dense_update(bs, g, hyper)
-            gathers.append(self._launch_param_gather(bs, sparse))
-        if sparse:  # the next masks are built while the parameter gathers are in flight
-            self.masks.after_sparse_step(t)
-        for i, (bs, pending) in enumerate(zip(self.buckets, gathers, strict=True)):
+        # 4. The interval AdamS update at the masked slots; sharded: launch each bucket's parameter gather.
+        hypers = self._hypers(step.step, sparse=True)
+        gathers = []
+        for bs, mask, g in zip(self.buckets, masks, synced, strict=True):
+            update.sparse_update(bs, mask, g, hypers[bs.layout.group_index])
+            gathers.append(self._launch_sparse_param_gather(bs))
+        # 5. Build the next masks (and launch their index all-gathers) while the parameter gathers are in flight.
+        self.masks.after_sparse_step(step.step)
+        # 6. Wait for the gathers in order, and write the new values at the mask.
+        for bs, mask, pending in zip(self.buckets, masks, gathers, strict=True):
             if pending is not None:
-                self.counters.timed_wait(pending)
-            if sparse:
-                update.apply_sparse(bs, self.masks.in_use(i), hypers[bs.layout.group_index].decay)
-        if sparse:
-            self.masks.finish_sparse_step()
-        elif t == self.config.dense_steps:
-            self._finish_warmup(t)
+                self.wire.wait(pending)
+            update.apply_sparse(bs, mask, hypers[bs.layout.group_index].decay)
+        # 7. Drop the masks this step used.
+        self.masks.finish_sparse_step()
         self._close_step(applied=True)
 
     @torch.no_grad()
@@ -272,23 +279,11 @@ class ScapeEngine:
 
     def current_masks(self) -> list[Tensor]:
         """Per bucket, the mask the next sparse step will use (waits for its all-gather)."""
-        out = []
-        for queue in self.masks.queues:
-            if not queue:
-                raise RuntimeError("No mask is queued yet: the engine is still in dense warm-up.")
-            self.masks.wait(queue[0])
-            out.append(queue[0].indices)
-        return out
+        return self.masks.next_masks()
 
     def last_built_masks(self) -> list[Tensor]:
         """Per bucket, the most recently built mask (waits for its all-gather)."""
-        out = []
-        for mask in self.masks.last_built:
-            if mask is None:
-                raise RuntimeError("No mask has been built yet: the engine is still in dense warm-up.")
-            self.masks.wait(mask)
-            out.append(mask.indices)
-        return out
+        return self.masks.newest_masks()
 
     def oldest_unsent_age(self) -> int:
         """Steps since the least recently sent coordinate of this rank's region was last sent."""
@@ -339,8 +334,7 @@ class ScapeEngine:
             self._step = StepInFlight(
                 self.buckets,
                 self.config,
-                self.comm,
-                self.counters,
+                self.wire,
                 self.masks,
                 step=self.step_count + 1,
                 dense=self.in_warmup,
@@ -364,20 +358,30 @@ class ScapeEngine:
         self.last_grad_norm = float(norm.item())
         return (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
 
-    def _launch_param_gather(self, bs: BucketState, sparse: bool) -> Pending | None:
-        """Sharded mode: every owner's updated parameters to every rank (replicated mode has them already)."""
+    def _hypers(self, t: int, sparse: bool) -> list[AdamSHyper]:
+        """Per param group, step ``t``'s AdamS hyperparameters (sparse steps: the interval update's)."""
+        groups = self.optimizer.param_groups
+        self.peak_lr = [max(peak, g["lr"]) for peak, g in zip(self.peak_lr, groups, strict=True)]
+        return [
+            update.step_hyper(g, t, self.config, peak if sparse else None)
+            for g, peak in zip(groups, self.peak_lr, strict=True)
+        ]
+
+    def _launch_dense_param_gather(self, bs: BucketState) -> Pending | None:
+        """Sharded: every owner's updated shard to every rank (replicated mode has the parameters already)."""
         if not self.config.sharded:
             return None
-        item = bs.layout.dtype.itemsize
-        if sparse:
-            assert bs.gathered is not None
-            self.counters.count_all_gather(KIND_PARAMS, bs.region_slots, item)
-            return self.comm.all_gather(bs.gathered, bs.updated)
         # The gradient shard is consumed: reuse it as the all-gather's send buffer.
         send = bs.dense_synced()
         send.copy_(bs.region_params)
-        self.counters.count_all_gather(KIND_DENSE, bs.layout.shard_numel, item)
-        return self.comm.all_gather(bs.params, send)
+        return self.wire.all_gather("dense", bs.params, send)
+
+    def _launch_sparse_param_gather(self, bs: BucketState) -> Pending | None:
+        """Sharded: every owner's new values at its slots to every rank (replicated mode has them already)."""
+        if not self.config.sharded:
+            return None
+        assert bs.gathered is not None
+        return self.wire.all_gather("params", bs.gathered, bs.updated)
 
     def _finish_warmup(self, t: int) -> None:
         """After the last dense step: every coordinate counts as sent now, and the first masks are built."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_scape.comm import KIND_DENSE, KIND_SCALARS, KIND_VALUES, ByteCounters, Communicator, Pending
+from lightning_scape.comm import Pending, Wire
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import feedback
 from lightning_scape.engine.buckets import BucketState
@@ -24,8 +24,7 @@ class StepInFlight:
     Args:
         buckets: The engine's buckets.
         config: The SCAPE configuration.
-        comm: The group's collectives.
-        counters: Where the bytes and wait times are counted.
+        wire: The group's collectives, counted (bytes and wait times).
         masks: The mask schedule (sparse steps send at its masks).
         step: The step t being taken (1-based).
         dense: A dense warm-up step (the whole gradient is averaged) rather than a sparse one.
@@ -38,15 +37,14 @@ class StepInFlight:
         self,
         buckets: list[BucketState],
         config: ScapeConfig,
-        comm: Communicator,
-        counters: ByteCounters,
+        wire: Wire,
         masks: MaskSchedule,
         step: int,
         dense: bool,
         loss_scale: float | None,
         skip_nonfinite: bool,
     ) -> None:
-        self.buckets, self.config, self.comm, self.counters, self.masks = buckets, config, comm, counters, masks
+        self.buckets, self.config, self.wire, self.masks = buckets, config, wire, masks
         self.step, self.dense, self.loss_scale, self.skip_nonfinite = step, dense, loss_scale, skip_nonfinite
         n = len(buckets)
         self.ready = [0] * n  # per bucket: gradients that have arrived
@@ -55,7 +53,7 @@ class StepInFlight:
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=buckets[0].params.device)
         self._synced: list[Tensor] | None = None
         self._squared_norm: Tensor | None = None
-        counters.start_step()
+        wire.counters.start_step()
 
     # ------------------------------------------------------------------ launches
 
@@ -82,20 +80,17 @@ class StepInFlight:
 
     def _launch(self, i: int) -> Pending:
         """Bucket ``i``'s collective: the dense gradient in warm-up, else the compact values at the mask."""
-        bs, c = self.buckets[i], self.counters
+        bs, wire = self.buckets[i], self.wire
         bs.adopt_grads()
         if self.loss_scale is not None and self.loss_scale != 1.0:
             bs.grads.mul_(1.0 / self.loss_scale)
         if self.skip_nonfinite:
             self.nonfinite |= ~torch.isfinite(bs.grads).all()
-        item = bs.layout.dtype.itemsize
-        c.count_dense_equivalent(bs.layout.numel, item)
+        wire.count_dense_equivalent(bs.layout.numel, bs.layout.dtype.itemsize)
         if self.dense:
             if self.config.sharded:
-                c.count_reduce_scatter(KIND_DENSE, bs.layout.padded_numel, item)
-                return self.comm.reduce_scatter_sum(bs.dense_synced(), bs.grads)
-            c.count_all_reduce(KIND_DENSE, bs.layout.padded_numel, item)
-            return self.comm.all_reduce_sum(bs.grads)
+                return wire.reduce_scatter_sum("dense", bs.dense_synced(), bs.grads)
+            return wire.all_reduce_sum("dense", bs.grads)
         mask = self.masks.for_launch(i, self.step)
         bs.k = mask.shape[1]  # the density ramp: a mask carries the slots per chunk of its step
         if self.skip_nonfinite:
@@ -103,23 +98,21 @@ class StepInFlight:
         else:
             feedback.compact(bs, mask)
         if self.config.sharded:
-            c.count_reduce_scatter(KIND_VALUES, bs.slots, item)
-            return self.comm.reduce_scatter_sum(bs.sparse_synced(), bs.values)
-        c.count_all_reduce(KIND_VALUES, bs.slots, item)
-        return self.comm.all_reduce_sum(bs.values)
+            return wire.reduce_scatter_sum("values", bs.sparse_synced(), bs.values)
+        return wire.all_reduce_sum("values", bs.values)
 
     # ------------------------------------------------------------------ synchronised gradients
 
     def synced_grads(self) -> list[Tensor]:
         """Per bucket, this step's averaged gradient; waits for the value collectives, in order, once."""
         if self._synced is None:
-            w = self.comm.world_size
+            w = self.wire.world_size
             synced = []
             for i, bs in enumerate(self.buckets):
                 g = bs.dense_synced() if self.dense else bs.sparse_synced()
                 pending = self.pending[i]
                 assert pending is not None
-                self.counters.timed_wait(pending)
+                self.wire.wait(pending)
                 self.pending[i] = None
                 if w > 1:
                     g.div_(w)
@@ -132,10 +125,9 @@ class StepInFlight:
         if self._squared_norm is None:
             squares = [g.float().square().sum() for g in self.synced_grads()]
             sq = torch.stack([s.to(torch.float64) for s in squares]).sum().reshape(1)
-            if self.config.sharded and self.comm.world_size > 1:
+            if self.config.sharded and self.wire.world_size > 1:
                 sq32 = sq.to(torch.float32)
-                self.counters.timed_wait(self.comm.all_reduce_sum(sq32))
-                self.counters.count_all_reduce(KIND_SCALARS, 1, 4)
+                self.wire.wait(self.wire.all_reduce_sum("scalars", sq32))
                 sq = sq32.to(torch.float64)
             self._squared_norm = sq
         return self._squared_norm
@@ -146,9 +138,8 @@ class StepInFlight:
         for g in self.synced_grads():
             flag |= ~torch.isfinite(g).all()
         f = flag.to(torch.float32).reshape(1)
-        if self.comm.world_size > 1:
-            self.counters.timed_wait(self.comm.all_reduce_sum(f))
-            self.counters.count_all_reduce(KIND_SCALARS, 1, 4)
+        if self.wire.world_size > 1:
+            self.wire.wait(self.wire.all_reduce_sum("scalars", f))
         return bool(f.item() > 0)
 
     def wait_all(self) -> None:

@@ -28,7 +28,7 @@ from torch import Tensor
 from torchmetrics import MaxMetric, MeanMetric, Metric, SumMetric
 from typing_extensions import override
 
-from lightning_scape.comm import KINDS
+from lightning_scape.comm import TRAFFIC_KINDS
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.kernels import mask_positions
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
@@ -183,7 +183,7 @@ class CommunicationMonitor(_ScapeMonitor):
         agg = self._agg
         agg.update("comm/sent_bytes", c.step_sent_bytes, device=dev)
         if self.per_kind:
-            for kind in KINDS:
+            for kind in TRAFFIC_KINDS:
                 agg.update(f"comm/sent_bytes/{kind}", c.step_sent.get(kind, 0), device=dev)
         agg.update("comm/dense_equivalent_bytes", c.step_dense_equivalent, device=dev)
         agg.update("comm/wait_s", c.step_wait_s, sync=True, device=dev)

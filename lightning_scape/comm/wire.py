@@ -1,0 +1,70 @@
+"""Every collective the engine launches, counted where it is launched.
+
+The engine never calls a :class:`~lightning_scape.comm.base.Communicator` itself: each collective goes
+through one method of :class:`Wire`, which adds the bytes this rank sends (the ring formula written beside
+the launch, ``docs/algorithm.md`` section 5) to the :class:`~lightning_scape.comm.counters.ByteCounters`
+under a :data:`Traffic` kind, then launches it. :meth:`Wire.wait` counts the time a wait blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import Tensor
+
+from lightning_scape.comm.base import Communicator, Pending
+from lightning_scape.comm.counters import ByteCounters, Traffic
+
+
+def all_reduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` elements: ``2 (W-1)/W n b`` (rounded down)."""
+    return (2 * (world_size - 1) * numel * itemsize) // world_size
+
+
+def reduce_scatter_bytes(input_numel: int, itemsize: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring reduce-scatter of a ``W n``-element input: ``(W-1) n b``."""
+    return ((world_size - 1) * input_numel * itemsize) // world_size
+
+
+def all_gather_bytes(input_numel: int, itemsize: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-gather of ``n`` elements per rank: ``(W-1) n b``."""
+    return (world_size - 1) * input_numel * itemsize
+
+
+class Wire:
+    """A data-parallel group's collectives, each counted in ``counters`` as it is launched.
+
+    Args:
+        comm: The group's collectives.
+        counters: The ledger of bytes sent and time waited.
+    """
+
+    def __init__(self, comm: Communicator, counters: ByteCounters) -> None:
+        self.comm = comm
+        self.counters = counters
+        self.world_size = comm.world_size
+
+    def all_reduce_sum(self, kind: Traffic, tensor: Tensor) -> Pending:
+        """Sum ``tensor`` over ranks in place; sends ``2 (W-1)/W n b``."""
+        self.counters.add(kind, all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size))
+        return self.comm.all_reduce_sum(tensor)
+
+    def reduce_scatter_sum(self, kind: Traffic, output: Tensor, input: Tensor) -> Pending:
+        """``output`` = the sum over ranks of this rank's slice of ``input``; sends ``(W-1)/W`` of ``input``."""
+        self.counters.add(kind, reduce_scatter_bytes(input.numel(), input.element_size(), self.world_size))
+        return self.comm.reduce_scatter_sum(output, input)
+
+    def all_gather(self, kind: Traffic, output: Tensor, input: Tensor) -> Pending:
+        """``output`` = every rank's ``input`` in rank order; sends ``input`` to each of the ``W - 1`` others."""
+        self.counters.add(kind, all_gather_bytes(input.numel(), input.element_size(), self.world_size))
+        return self.comm.all_gather(output, input)
+
+    def count_dense_equivalent(self, numel: int, itemsize: int) -> None:
+        """Count what DDP's all-reduce of ``numel`` gradient elements would send (nothing is launched)."""
+        self.counters.add_dense_equivalent(all_reduce_bytes(numel, itemsize, self.world_size))
+
+    def wait(self, pending: Pending) -> None:
+        """``pending.wait()``, adding the time it blocked to the counters' ``wait_s``."""
+        t0 = time.perf_counter()
+        pending.wait()
+        self.counters.add_wait(time.perf_counter() - t0)
