@@ -1,10 +1,12 @@
 """The ``lightning-scape`` command line: ``demo`` and ``pretrain`` (also ``python -m lightning_scape``).
 
 This module lies outside the ``lightning_scape`` package on purpose. Importing the package imports torch
-and Lightning (``import lightning_scape`` registers ``strategy="scape"``), which takes about 4 s on a
-2-core machine; from here ``lightning-scape --help``, ``demo --help`` and argument errors answer without
-them (about 0.1 s), and a command imports the package only when it runs. ``pretrain --help`` needs the
-package: its options are read from litgpt's and SCAPE's own classes.
+and Lightning (``import lightning_scape`` registers ``strategy="scape"``), which takes seconds; from here
+``lightning-scape --help``, ``demo --help`` and the demo's argument errors answer without them, and a command
+imports the package only when it runs (``tests/test_demo.py`` checks that torch stays unimported). The
+package never imports this module: the demo receives its parsed options as a
+:class:`~lightning_scape.examples.demo.DemoOptions`. ``pretrain --help`` needs the package: its options are
+read from litgpt's and SCAPE's own classes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 PROG = "lightning-scape"
 
@@ -39,7 +42,7 @@ on a slow network (benchmarks/network/, docs/benchmarks.md).
 
 
 def demo_parser() -> argparse.ArgumentParser:
-    """The ``lightning-scape demo`` options (:func:`lightning_scape.examples.demo.run_demo` parses with it too)."""
+    """The ``lightning-scape demo`` options; their names are the fields of ``examples.demo.DemoOptions``."""
     ap = argparse.ArgumentParser(
         prog=f"{PROG} demo", description=DEMO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -67,6 +70,32 @@ def demo_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def demo_command(argv: list[str]) -> list[dict[str, Any]]:
+    """``lightning-scape demo``: parse and check the options, then run the demo.
+
+    Args:
+        argv: The arguments after ``demo``.
+
+    Returns:
+        The demo's results (:func:`lightning_scape.examples.demo.run_demo`).
+
+    Raises:
+        SystemExit: With status 0 for ``--help``, 2 and a one-line message for bad arguments or a setting, text
+            or output folder the demo cannot use.
+    """
+    parser = demo_parser()
+    ns = parser.parse_args(argv)  # --help and bad values answer here, before torch is imported
+    for flag, value in (("--steps", ns.steps), ("--batch-size", ns.batch_size), ("--eval-every", ns.eval_every)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    from lightning_scape.examples.demo import DemoError, DemoOptions, run_demo
+
+    try:
+        return run_demo(DemoOptions(**vars(ns)))
+    except DemoError as exc:
+        parser.error(str(exc))
+
+
 def usage() -> str:
     """``lightning-scape --help``: what the package is, and one line per command."""
     width = max(len(name) for name in COMMANDS) + 2
@@ -88,6 +117,7 @@ def usage() -> str:
 
 
 def _version() -> str:
+    """The installed distribution's version, read from its metadata (no import of the package)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -114,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "demo":
-        demo_parser().parse_args(rest)  # --help and bad values answer here, before torch is imported
-        from lightning_scape.examples.demo import run_demo
-
-        run_demo(rest)
+        demo_command(rest)
         return 0
     if command == "pretrain":
         from lightning_scape.litgpt.pretrain import run_pretrain

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
@@ -14,9 +15,9 @@ RampShape = Literal["geometric", "linear"]
 
 MASK_STATISTICS: tuple[str, ...] = ("momentum", "gradient", "random")
 RAMP_SHAPES: tuple[str, ...] = ("geometric", "linear")
-# A ramp step denser than this is sent dense: sparse it would send about as many bytes as dense (values,
-# parameters and int16 indices at 1/4 of the coordinates: 0.31 of ZeRO-1's fp32 bytes, rising to 1.25 at
-# density 1), and the compact buffers are sized for the densest sparse step.
+# A ramp step denser than this is sent dense. A sparse step sends an index beside every value and parameter,
+# so the denser it is, the less it saves against dense, until it sends more (docs/algorithm.md section 5 has the
+# bytes); and the compact buffers, sized for the densest sparse step, stay this fraction of the gradient.
 DENSE_ABOVE = 0.25
 
 
@@ -26,8 +27,8 @@ class ScapeConfig:
 
     Args:
         density: Fraction d of the coordinates sent per step, in (0, 1]. 0.01 sends 1% of the gradient
-            values (about 67x fewer bytes than ZeRO-1 in sharded mode); 0.1 is the safe choice for
-            short runs. Each chunk gets ``max(1, round(density * chunk_size))`` slots, so the effective
+            values (the bytes per step against ZeRO-1 and DDP: ``docs/algorithm.md`` section 5); 0.1 is the
+            safe choice for short runs. Each chunk gets ``max(1, round(density * chunk_size))`` slots, so the effective
             density is ``slots_per_chunk / chunk_size`` (higher in the smaller chunks of a tiny model's
             buckets: see ``chunk_size``).
         chunk_size: Coordinates per mask chunk C, a power of two <= 32768 (indices are int16). Larger
@@ -46,12 +47,12 @@ class ScapeConfig:
             at once with an all-zero statistic (and no density ramp).
         density_ramp_steps: Steps after the dense warm-up over which the density falls from 1 to ``density``
             (the ramp is part of the warm-up: with ``dense_warmup_steps=0`` there is none). Ramp steps denser
-            than 1/4 are sent dense (a sparse step that dense would send as many bytes and need compact buffers
-            as large as the gradient), so with the default shape the first 30% of the ramp is dense. A mask
-            keeps the density of the step it was built for. The ramp is what the sparse phase needs to start
-            well: the default 400 steps cost about 146 dense steps' bytes, and with the 30 warm-up steps a
-            1000-step run sends 19% of DDP's bytes (``docs/algorithm.md`` section 7). Shorten both for runs of
-            less than about 2000 steps if bytes matter more than the last percent of loss.
+            than :data:`DENSE_ABOVE` (1/4) are sent dense, so with the geometric shape the first
+            ``log(4) / log(1 / density)`` of the ramp is dense (:attr:`dense_steps` counts the dense steps). A
+            mask keeps the density of the step it was built for. The ramp is what the sparse phase needs to
+            start well; what the default schedule costs in bytes and buys in loss is measured in
+            ``docs/algorithm.md`` section 7. Shorten both for runs of less than about 2000 steps if bytes
+            matter more than the last percent of loss.
         density_ramp_shape: ``"geometric"`` (the density falls by the same factor every step) or
             ``"linear"``.
         mask_delay: A mask built at the end of step t is used at step t + mask_delay. 1 (the paper's
@@ -71,9 +72,9 @@ class ScapeConfig:
             AdamS would have over those tau steps (the interval update, ``docs/algorithm.md`` section 4), but
             by at most ``catch_up_cap`` steps' worth at the peak learning rate seen so far (more as the learning
             rate decays): a coordinate frozen for a long interval kept seeing the gradient of where it stopped,
-            and moving it all the way at once overshoots. The default is the best of 8, 16, 32 and 64 measured
-            at 1000 steps (``docs/algorithm.md`` section 7); lower it if the loss jumps when the sparse phase
-            starts, raise it for long runs at a low learning rate.
+            and moving it all the way at once overshoots. The default is the best cap measured
+            (``docs/algorithm.md`` section 7, "The catch-up cap"); lower it if the loss jumps when the sparse
+            phase starts, raise it for long runs at a low learning rate.
         bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
             communicating earlier in the backward pass but cost more launches; 25 is DDP's default.
         seed: Seed of the shared random generator (``mask_statistic="random"``).
@@ -176,38 +177,58 @@ class ScapeConfig:
         return dataclasses.asdict(self)
 
 
-def _validate(cfg: ScapeConfig) -> None:
-    def fail(msg: str) -> None:
-        raise ValueError(f"Invalid ScapeConfig: {msg}")
+def _whole_number_from(low: int) -> Callable[[Any], bool]:
+    """A rule's test: an integer >= ``low``."""
+    return lambda value: isinstance(value, int) and value >= low
 
-    if not isinstance(cfg.density, (int, float)) or not (0.0 < cfg.density <= 1.0) or math.isnan(cfg.density):
-        fail(f"density={cfg.density!r} must lie in (0, 1]; use e.g. 0.01 to send 1% of the gradient.")
-    c = cfg.chunk_size
-    if not isinstance(c, int) or c < 1 or c & (c - 1) != 0 or c > MAX_CHUNK_SIZE:
-        fail(
-            f"chunk_size={c!r} must be a power of two between 1 and {MAX_CHUNK_SIZE} "
-            "(chunk-local indices are int16); 4096 is the default."
-        )
-    if not isinstance(cfg.dense_warmup_steps, int) or cfg.dense_warmup_steps < 0:
-        fail(f"dense_warmup_steps={cfg.dense_warmup_steps!r} must be an integer >= 0.")
-    if not isinstance(cfg.density_ramp_steps, int) or cfg.density_ramp_steps < 0:
-        fail(f"density_ramp_steps={cfg.density_ramp_steps!r} must be an integer >= 0 (0: no ramp).")
-    if cfg.density_ramp_shape not in RAMP_SHAPES:
-        fail(f"density_ramp_shape={cfg.density_ramp_shape!r} is unknown; choose one of {RAMP_SHAPES}.")
-    if not isinstance(cfg.mask_delay, int) or cfg.mask_delay < 0:
-        fail(f"mask_delay={cfg.mask_delay!r} must be an integer >= 0 (1 overlaps the mask all-gather).")
-    if not isinstance(cfg.mask_refresh_interval, int) or cfg.mask_refresh_interval < 1:
-        fail(f"mask_refresh_interval={cfg.mask_refresh_interval!r} must be an integer >= 1.")
-    if cfg.mask_statistic not in MASK_STATISTICS:
-        fail(f"mask_statistic={cfg.mask_statistic!r} is unknown; choose one of {MASK_STATISTICS}.")
-    if not (0.0 <= cfg.exploration < 1.0):
-        fail(f"exploration={cfg.exploration!r} must lie in [0, 1); 0.1 is the default.")
-    if not (cfg.catch_up_cap >= 1.0):
-        fail(f"catch_up_cap={cfg.catch_up_cap!r} must be >= 1 (steps of movement at once).")
-    if not (cfg.bucket_cap_mb > 0.0):
-        fail(f"bucket_cap_mb={cfg.bucket_cap_mb!r} must be > 0.")
-    if not (cfg.collective_timeout_s > 0.0):
-        fail(f"collective_timeout_s={cfg.collective_timeout_s!r} must be > 0.")
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], bool]:
+    """A rule's test: one of ``choices``."""
+    return lambda value: value in choices
+
+
+def _is_density(value: Any) -> bool:
+    """A number in (0, 1], NaN excluded."""
+    return isinstance(value, (int, float)) and 0.0 < value <= 1.0 and not math.isnan(value)
+
+
+def _is_chunk_size(value: Any) -> bool:
+    """A power of two the int16 chunk-local indices can address."""
+    return isinstance(value, int) and 1 <= value <= MAX_CHUNK_SIZE and value & (value - 1) == 0
+
+
+# One rule per field, checked in this order; the first broken one is reported as "field=value requirement".
+# A test is written so that NaN fails it (``not x > 0`` rather than ``x <= 0``).
+_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("density", _is_density, "must lie in (0, 1]; use e.g. 0.01 to send 1% of the gradient."),
+    (
+        "chunk_size",
+        _is_chunk_size,
+        f"must be a power of two between 1 and {MAX_CHUNK_SIZE} (chunk-local indices are int16); 4096 is the default.",
+    ),
+    ("dense_warmup_steps", _whole_number_from(0), "must be an integer >= 0."),
+    ("density_ramp_steps", _whole_number_from(0), "must be an integer >= 0 (0: no ramp)."),
+    ("density_ramp_shape", _one_of(RAMP_SHAPES), f"is unknown; choose one of {RAMP_SHAPES}."),
+    ("mask_delay", _whole_number_from(0), "must be an integer >= 0 (1 overlaps the mask all-gather)."),
+    ("mask_refresh_interval", _whole_number_from(1), "must be an integer >= 1."),
+    ("mask_statistic", _one_of(MASK_STATISTICS), f"is unknown; choose one of {MASK_STATISTICS}."),
+    ("exploration", lambda value: 0.0 <= value < 1.0, "must lie in [0, 1); 0.1 is the default."),
+    ("catch_up_cap", lambda value: value >= 1.0, "must be >= 1 (steps of movement at once)."),
+    ("bucket_cap_mb", lambda value: value > 0.0, "must be > 0."),
+    ("collective_timeout_s", lambda value: value > 0.0, "must be > 0."),
+)
+
+
+def _validate(cfg: ScapeConfig) -> None:
+    """Check ``cfg`` against :data:`_RULES`.
+
+    Raises:
+        ValueError: Naming the first field that breaks its rule, its value and what it must be.
+    """
+    for name, holds, requirement in _RULES:
+        value = getattr(cfg, name)
+        if not holds(value):
+            raise ValueError(f"Invalid ScapeConfig: {name}={value!r} {requirement}")
 
 
 class ScapeOptions(TypedDict, total=False):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import write_corpus
 
-from lightning_scape.examples.demo import CSV_COLUMNS, run_demo
-from lightning_scape_cli import COMMANDS, main
+from lightning_scape.examples.demo import CSV_COLUMNS
+from lightning_scape_cli import COMMANDS, demo_command, main
 
 STEPS, EVAL_EVERY = 6, 4
 
@@ -26,7 +26,7 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
     write_corpus(corpus, 30, words=400)
     argv = ["--steps", str(STEPS), "--warmup", "2", "--ramp", "0", "--batch-size", "2", "--block-size", "64"]
     argv += ["--eval-every", str(EVAL_EVERY), "--data", str(corpus), "--out", str(out)]
-    dense, scape = run_demo(argv)
+    dense, scape = demo_command(argv)
     text = capsys.readouterr().out
     assert "dense AdamS" in text and "SCAPE d=0.01" in text and "kB sent per step" in text
     assert str(out / "demo.csv") in text and str(out / "demo.png") in text
@@ -77,6 +77,7 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
 
 
+@pytest.mark.dist
 def test_missing_data_path_is_a_one_line_error_from_the_command_line(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-folder"
     proc = subprocess.run(
@@ -97,7 +98,7 @@ def test_folder_without_text_is_refused_before_any_process_starts(
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "a.bin").write_bytes(b"\x00\x01\x02" * 100)
     with pytest.raises(SystemExit) as exit_info:
-        run_demo(["--data", str(tmp_path / "bin"), "--out", str(tmp_path / "out")])
+        demo_command(["--data", str(tmp_path / "bin"), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"lightning-scape demo: error: the text at {tmp_path / 'bin'}: " in err and "no readable text files" in err
@@ -106,7 +107,7 @@ def test_folder_without_text_is_refused_before_any_process_starts(
 
 def test_invalid_scape_setting_is_refused_before_any_process_starts(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        run_demo(["--density", "2"])
+        demo_command(["--density", "2"])
     assert exit_info.value.code == 2 and "density=2.0 must lie in (0, 1]" in capsys.readouterr().err
 
 
@@ -120,6 +121,7 @@ def test_cli_describes_each_command_and_names_an_unknown_one(capsys: pytest.Capt
     assert main(["--frobnicate"]) == 2 and "unknown option '--frobnicate'" in capsys.readouterr().err
 
 
+@pytest.mark.dist
 def test_help_answers_without_importing_torch() -> None:
     """``lightning-scape --help``, ``demo --help`` and a bad demo value, in a fresh interpreter: no torch."""
     script = (

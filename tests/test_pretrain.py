@@ -112,13 +112,15 @@ def test_help_lists_the_scape_section_and_not_the_refused_options(capsys: pytest
     assert "Default: on with CUDA, off on the CPU, where compiling takes longer" in compile_help, compile_help
 
 
+@pytest.mark.dist
 def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores_everything(tmp_path: Path) -> None:
     import types
 
     import torch._dynamo
     import yaml
 
-    from lightning_scape.litgpt.pretrain import _Clock, _litgpt_adapted
+    from lightning_scape.litgpt.litgpt_adaptations import litgpt_adapted
+    from lightning_scape.litgpt.pretrain import _Clock
 
     def litgpt_save(*args: Any) -> None:
         raise AssertionError("litgpt's own hyperparameter capture would re-parse sys.argv")
@@ -128,7 +130,7 @@ def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores
     tokenizer.write_text('{"model": "bpe"}')
     data = types.SimpleNamespace(tokenizer_path=tokenizer)
     before = torch._dynamo.config.disable
-    with _litgpt_adapted(module, compile=False, hyperparameters={"scape": {"density": 0.01}}, data=data):
+    with litgpt_adapted(module, compile=False, hyperparameters={"scape": {"density": 0.01}}, data=data):
         assert torch._dynamo.config.disable is True
         module.save_hyperparameters(object(), tmp_path)
     assert module.save_hyperparameters is litgpt_save and torch._dynamo.config.disable == before
@@ -145,7 +147,7 @@ def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores
     module = types.SimpleNamespace(save_hyperparameters=litgpt_save, validate=validate, save_checkpoint=print)
     fabric = types.SimpleNamespace(print=printed.append)
     clock = _Clock()
-    with _litgpt_adapted(module, compile=True, hyperparameters=None, data=data, fabric=fabric, clock=clock):
+    with litgpt_adapted(module, compile=True, hyperparameters=None, data=data, fabric=fabric, clock=clock):
         clock.step_done(1)
         assert module.validate() == 1.0
         clock.step_done(2)

@@ -144,6 +144,7 @@ def test_validation_losses_split_over_ranks_sum_to_one_process() -> None:
 # ------------------------------------------------------------------------------------------------ the corpora
 
 
+@pytest.mark.dist
 def test_prose_corpus_is_deterministic(prose_cache: Path, tmp_path: Path) -> None:
     first, second = prose_corpus(prose_cache), prose_corpus(tmp_path)
     assert first.name == second.name and first.parent == prose_cache / "corpora"

@@ -1,19 +1,21 @@
 """``lightning-scape demo``: dense AdamS against SCAPE (d = 0.01) on real text, 2 CPU processes over gloo.
 
-A small litgpt GPT (about 0.86M parameters with byte tokens) trains on a folder of text (``--data``; by
-default the source files of this Python interpreter's standard library, a corpus every machine has without
-a download). Both runs go through Lightning Fabric with ``ScapeStrategy`` and use the same seed, data order
-and learning-rate schedule; the dense one all-reduces every gradient (what DDP sends), the SCAPE one sends
-1% of the values after a short dense warm-up. The table reports tokens/s, bytes sent per step and their
-ratio to DDP (after the warm-up and over the whole run), and the final train and validation loss, followed
-by notes on what they mean; ``OUT/demo.csv`` holds every step and ``OUT/demo.png`` plots the loss and the
-bytes sent per step against the step. The options are defined in :mod:`lightning_scape_cli` (so that
-``lightning-scape demo --help`` answers without importing torch).
+A small litgpt GPT (the ``"small"`` preset of :mod:`~lightning_scape.examples.workloads`) trains on a folder
+of text (``--data``; by default the source files of this Python interpreter's standard library, a corpus
+every machine has without a download). Both runs go through Lightning Fabric with ``ScapeStrategy`` and use
+the same seed, data order and learning-rate schedule; the dense one all-reduces every gradient (what DDP
+sends), the SCAPE one sends 1% of the values after a short dense warm-up. The table reports tokens/s, bytes
+sent per step and their ratio to DDP (after the warm-up and over the whole run), and the final train and
+validation loss, followed by notes on what they mean; ``OUT/demo.csv`` holds every step and ``OUT/demo.png``
+plots the loss and the bytes sent per step against the step.
+
+The command line (:mod:`lightning_scape_cli`) defines and parses the options, so that
+``lightning-scape demo --help`` answers without importing torch, and passes them to :func:`run_demo` as a
+:class:`DemoOptions`; this module never imports the command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import sys
@@ -43,9 +45,8 @@ from lightning_scape.examples.workloads import (
     validation_batch_losses,
 )
 from lightning_scape.fabric.strategy import ScapeStrategy
-from lightning_scape.litgpt.data import TextFolder
+from lightning_scape.litgpt.data import TextFolder, TokenizerKind
 from lightning_scape.wiring.warmup_notice import DenseWarmupWarning
-from lightning_scape_cli import demo_parser
 
 WORLD_SIZE = 2
 METHODS = ("dense", "scape")
@@ -286,8 +287,8 @@ def _smooth(values: list[float], window: int) -> list[float]:
 def write_plot(results: Sequence[dict[str, Any]], path: Path) -> bool:
     """Loss against step, and bytes sent per step against step (log axis); False without matplotlib.
 
-    Bytes per step on a log axis keep SCAPE's sparse phase readable beside the dense steps (100x more);
-    the cumulative bytes on any axis squeeze it into a sliver after the warm-up.
+    Bytes per step on a log axis keep SCAPE's sparse phase readable beside the dense steps (about 1 / density
+    times more); the cumulative bytes on any axis squeeze it into a sliver after the warm-up.
     """
     try:
         from matplotlib.figure import Figure
@@ -334,6 +335,7 @@ def _kb(nbytes: float) -> str:
 
 
 def _fmt_ratio(dense_equivalent: float, sent: float) -> str:
+    """How many times fewer bytes than DDP, e.g. ``"79.0x"`` (a run that sent nothing counts as 1 byte)."""
     return f"{dense_equivalent / max(1.0, sent):.1f}x"
 
 
@@ -406,59 +408,111 @@ def demo_notes(results: Sequence[dict[str, Any]], warmup: int) -> list[str]:
     return notes
 
 
-# ------------------------------------------------------------------------------------------ the CLI
+# ------------------------------------------------------------------------------------------ the command
 
 
-def _tokens(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Tokenize (or read the cache) here, once, so that neither the ranks nor tokens/s pay for it."""
-    if ns.data is not None and not ns.data.exists():
-        ap.error(f"--data {ns.data}: no such file or directory")
+class DemoError(ValueError):
+    """A demo setting, its text or its output folder that cannot work; raised before any process starts.
+
+    The command line reports it as an argument error (one line, exit status 2).
+    """
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """The ``lightning-scape demo`` options, as the command line (:mod:`lightning_scape_cli`) parsed them.
+
+    The command line defines the options, their defaults and help, and checks that ``steps``, ``batch_size``
+    and ``eval_every`` are at least 1; it builds this from its parsed arguments, so that ``--help`` answers
+    without importing torch and this module never imports the command line.
+    """
+
+    steps: int
+    batch_size: int
+    block_size: int
+    lr: float
+    warmup: int
+    ramp: int
+    density: float
+    data: Path | None  # None: the Python standard library's sources
+    tokenizer: TokenizerKind
+    vocab_size: int
+    max_bytes: int
+    eval_every: int
+    out: Path
+
+    def run_args(self) -> DemoArgs:
+        """The settings both runs share."""
+        return DemoArgs(
+            self.steps, self.batch_size, self.block_size, self.lr, self.warmup, self.ramp, self.density, self.eval_every
+        )
+
+
+def _tokens(options: DemoOptions) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Tokenize (or read the cache) here, once, so that neither the ranks nor tokens/s pay for it.
+
+    Raises:
+        DemoError: The text is missing, unreadable, or too short for a window on either split.
+    """
+    where = options.data or "the standard library"
+    if options.data is not None and not options.data.exists():
+        raise DemoError(f"--data {options.data}: no such file or directory")
     try:
-        data = TextFolder(ns.data, tokenizer=ns.tokenizer, vocab_size=ns.vocab_size, max_bytes=ns.max_bytes)
+        data = TextFolder(
+            options.data, tokenizer=options.tokenizer, vocab_size=options.vocab_size, max_bytes=options.max_bytes
+        )
         train, val = data.token_splits()
-        vocab_size = data.vocab_size_bound
     except (OSError, ValueError) as exc:  # unreadable files, no text in the folder, a bad --max-bytes, ...
-        ap.error(f"the text at {ns.data or 'the standard library'}: {exc}")
+        raise DemoError(f"the text at {where}: {exc}") from exc
     for name, tokens in (("training", train), ("validation", val)):
-        if len(tokens) <= ns.block_size + 1:
-            ap.error(
-                f"the text at {ns.data or 'the standard library'} gives {len(tokens)} {name} tokens; the demo needs "
-                f"more than --block-size + 1 = {ns.block_size + 1} (more text, or a larger --max-bytes)"
+        if len(tokens) <= options.block_size + 1:
+            raise DemoError(
+                f"the text at {where} gives {len(tokens)} {name} tokens; the demo needs more than --block-size + 1 "
+                f"= {options.block_size + 1} (more text, or a larger --max-bytes)"
             )
+    return train, val, data.vocab_size_bound
+
+
+def _prepared(options: DemoOptions) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Check every setting, tokenize the text and make the output folder, all before the first process starts.
+
+    Returns:
+        The training and validation tokens and the vocabulary size.
+
+    Raises:
+        DemoError: For any setting, text or output folder that cannot work.
+    """
+    args = options.run_args()
+    try:  # the configurations of both runs, so that a bad SCAPE setting fails now, not after the dense run
+        for method in METHODS:
+            method_config(args, method)
+    except ValueError as exc:
+        raise DemoError(str(exc)) from exc
+    train, val, vocab_size = _tokens(options)
+    try:
+        options.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoError(f"--out {options.out}: {exc}") from exc
     return train, val, vocab_size
 
 
-def run_demo(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Parse the demo's arguments, run dense AdamS then SCAPE on 2 processes, print the table, write CSV and PNG.
+def run_demo(options: DemoOptions) -> list[dict[str, Any]]:
+    """Run dense AdamS then SCAPE on 2 processes, print the table, write the CSV and the plot.
 
     Args:
-        argv: The arguments after ``demo`` (default: ``sys.argv[1:]``).
+        options: The command line's options.
 
     Returns:
         Rank 0's result dict per method (dense first): the table's numbers and the per-step curves.
 
     Raises:
-        SystemExit: With status 2 and a one-line message for bad arguments or unusable ``--data``.
+        DemoError: For a setting, text or output folder that cannot work, before any process starts.
     """
-    ap = demo_parser()
-    ns = ap.parse_args(argv)
-    for flag, value in (("--steps", ns.steps), ("--batch-size", ns.batch_size), ("--eval-every", ns.eval_every)):
-        if value < 1:
-            ap.error(f"{flag} must be at least 1, got {value}")
-    args = DemoArgs(ns.steps, ns.batch_size, ns.block_size, ns.lr, ns.warmup, ns.ramp, ns.density, ns.eval_every)
-    try:  # every argument is checked before the first process starts, not after the dense run
-        for method in METHODS:
-            method_config(args, method)
-    except ValueError as exc:
-        ap.error(str(exc))
-    train, val, vocab_size = _tokens(ap, ns)
-    try:
-        ns.out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        ap.error(f"--out {ns.out}: {exc}")
+    train, val, vocab_size = _prepared(options)
+    args = options.run_args()
     print(
-        f"data: {ns.data or 'the Python standard library'} ({ns.tokenizer} tokens, vocabulary {vocab_size}): "
-        f"{len(train):,} training and {len(val):,} validation tokens",
+        f"data: {options.data or 'the Python standard library'} ({options.tokenizer} tokens, vocabulary "
+        f"{vocab_size}): {len(train):,} training and {len(val):,} validation tokens",
         flush=True,
     )
     results = []
@@ -475,7 +529,7 @@ def run_demo(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(f"{method_label(method, args.density)} ({what}): {WORLD_SIZE} processes, gloo, CPU", flush=True)
             results.append(run_method(args, method, tokens_file, vocab_size))
     print_table(results, args.warmup + args.ramp)
-    csv_path, png_path = ns.out / "demo.csv", ns.out / "demo.png"
+    csv_path, png_path = options.out / "demo.csv", options.out / "demo.png"
     write_csv(results, csv_path)
     print(f"\nper-step curves: {csv_path}")
     if write_plot(results, png_path):
@@ -483,7 +537,3 @@ def run_demo(argv: list[str] | None = None) -> list[dict[str, Any]]:
     else:
         print("plot skipped: matplotlib is not installed (pip install matplotlib)")
     return results
-
-
-if __name__ == "__main__":
-    run_demo(sys.argv[1:])

@@ -11,8 +11,8 @@ number from another:
   (:func:`weight_decay_groups`, :func:`adams_optimizer`);
 - the data: two corpora every machine has without a download, read through
   :class:`~lightning_scape.litgpt.data.TextFolder` (:func:`corpus_tokens`): ``"stdlib"``, the ``.py`` sources of the
-  running interpreter's standard library (about 12 MB of code), and ``"prose"``, the English documentation
-  that ships with Python (:func:`prose_corpus`, about 2.3 MB);
+  running interpreter's standard library (code), and ``"prose"``, the English documentation that ships with
+  Python (:func:`prose_corpus`); their sizes are in ``docs/benchmarks.md`` (Quality);
 - the training step's pieces: random-window batches (:func:`sample_batch`), next-token loss (:func:`lm_loss`),
   a cosine learning rate with linear warm-up (:func:`set_cosine_lr`), validation on fixed batches
   (:func:`validation_loss`, :func:`validation_batch_losses`);
@@ -210,9 +210,8 @@ def corpus_tokens(
     file ends with the end-of-text byte 0xFF, and the token arrays are cached on disk.
 
     Args:
-        name: ``"stdlib"``: the ``.py`` sources of this interpreter's standard library (about 12 MB, code).
-            ``"prose"``: the English documentation that ships with Python (about 2.3 MB, see
-            :func:`prose_corpus`).
+        name: ``"stdlib"``: the ``.py`` sources of this interpreter's standard library (code).
+            ``"prose"``: the English documentation that ships with Python (see :func:`prose_corpus`).
         max_bytes: Read at most this many bytes, files in sorted order; None reads everything.
         cache_dir: Where TextFolder caches the tokens (and where the prose corpus is written). Default
             ``$LIGHTNING_SCAPE_CACHE``, else ``~/.cache/lightning_scape/text``.
@@ -242,8 +241,8 @@ def prose_corpus(cache_dir: Path | None = None) -> Path:
     sections that ``help()`` shows) and one ``modules/DOTTED.NAME.txt`` per standard-library module with
     docstrings, holding its module, class and function docstrings (``ast.get_docstring``) in source order,
     separated by blank lines. ``site-packages`` and the ``test``/``tests``/``idle_test`` folders are left out,
-    and so are files that do not parse. On CPython 3.11 that is 724 files and 2.3 MB, enough files for
-    TextFolder's file-level split.
+    and so are files that do not parse. That makes hundreds of files, enough for TextFolder's file-level
+    split (the corpus's size is in ``docs/benchmarks.md``, Quality).
 
     The content is a function of the interpreter alone, so two builds give identical files. The folder is
     named by the format version and a hash of the interpreter's version and standard-library path; it is

@@ -15,12 +15,8 @@ Use it from a recipe::
         tokenizer: bpe
         vocab_size: 16384
 
-The default corpus, measured on CPython 3.11.7 on a 2-core VM (timings varied up to 2x between runs):
-734 ``.py`` files (731 non-empty), 12.1 MB (12,118,641 bytes), listed in 0.02 s. ``prepare_data`` (read,
-split, tokenize, save) takes 0.05-0.13 s with ``tokenizer="byte"`` (11.64M train + 0.48M validation tokens,
-28 files in validation), 5-14 s with ``"bpe"`` at ``vocab_size=4096`` (about 3 s training, the rest encoding;
-3.35M + 0.14M tokens) and 7-13 s at 32000 (2.82M + 0.12M tokens). Loading the cache afterwards takes
-0.03-0.2 s. That is fast enough for ``max_bytes`` to default to no limit.
+Tokenizing the default corpus takes seconds, and loading it from the cache far less, so ``max_bytes``
+defaults to no limit; the corpus's size and the timings are in ``docs/litgpt.md`` ("Data: TextFolder").
 """
 
 from __future__ import annotations
@@ -55,11 +51,11 @@ BPE_EOT = "<|endoftext|>"
 # Files whose first 8 kB hold a NUL byte are binary (git's heuristic); the rest must decode as UTF-8.
 SNIFF_BYTES = 8192
 # Folders left out of the standard-library corpus: installed packages are not the stdlib, and the test
-# suites hold deliberately malformed sources and large generated data, roughly 60% of the bytes.
+# suites hold deliberately malformed sources and large generated data.
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 # Text passed to the BPE encoder per call: encode_batch parallelizes over documents where the tokenizers
-# build uses several threads, and the bound keeps its Python-side encodings (~100 bytes per token) small.
-# Multi-MB batches measured 10-30% slower than this on the stdlib corpus (allocation churn).
+# build uses several threads, and the bound keeps the Python-side encodings it returns (objects far larger
+# than their token ids) small; much larger batches are slower, not faster, from the allocation churn.
 _ENCODE_BATCH_BYTES = 256_000
 
 TokenizerKind = Literal["byte", "bpe"]
@@ -175,6 +171,70 @@ def _as_text(data: bytes, truncated: bool) -> bytes | None:
     return data
 
 
+@dataclass
+class _Reading:
+    """What reading a corpus found: the text files, and what was skipped and why."""
+
+    docs: list[tuple[str, bytes]] = field(default_factory=list)  # (relative path, text) in sorted order
+    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (path, error), the listing's included
+    binary: int = 0
+    empty: int = 0
+
+    def stats(self) -> dict[str, Any]:
+        """The skipped counts, as the cache's ``meta.json`` records them."""
+        return {"skipped_binary": self.binary, "skipped_empty": self.empty, "skipped_unreadable": len(self.unreadable)}
+
+
+def _read_texts(corpus: _Corpus, max_bytes: int | None) -> _Reading:
+    """Read the corpus's files in sorted order, keeping the UTF-8 text ones, until ``max_bytes`` are read.
+
+    Args:
+        corpus: The listed files.
+        max_bytes: Read at most this many bytes of text, the last file cut at a character boundary; None: all.
+    """
+    reading = _Reading(unreadable=list(corpus.unlisted))
+    left = max_bytes
+    for source in corpus.sources:
+        if left is not None and left <= 0:
+            break
+        try:
+            data = _read_file(source.path, -1 if left is None else left)
+        except OSError as err:
+            reading.unreadable.append((str(source.path), err.strerror or str(err)))
+            continue
+        text = _as_text(data, truncated=left is not None and len(data) == left)
+        if text is None:
+            reading.binary += 1
+        elif not text:
+            reading.empty += 1
+        else:
+            reading.docs.append((source.rel, text))
+            if left is not None:
+                left -= len(data)
+    return reading
+
+
+def _report_unreadable(reading: _Reading, where: str) -> None:
+    """Warn about the unreadable files and folders, or refuse the corpus when nothing else was there.
+
+    Raises:
+        PermissionError: Every file is unreadable.
+    """
+    if not reading.unreadable:
+        return
+    names = ", ".join(f"{p} ({e})" for p, e in reading.unreadable[:5])
+    more = f" and {len(reading.unreadable) - 5} more" if len(reading.unreadable) > 5 else ""
+    if not reading.docs and reading.binary == 0 and reading.empty == 0:
+        raise PermissionError(
+            f"TextFolder: every file under {where} is unreadable, e.g. {names}{more}. "
+            "Check the permissions, or point data.init_args.path elsewhere."
+        )
+    # stacklevel 3: past this helper and _read_documents, to the cache build that asked for the documents.
+    warnings.warn(
+        f"TextFolder: skipped {len(reading.unreadable)} unreadable file(s) or folder(s): {names}{more}", stacklevel=3
+    )
+
+
 def _read_documents(
     corpus: _Corpus, where: str, max_bytes: int | None
 ) -> tuple[list[tuple[str, bytes]], dict[str, Any]]:
@@ -194,46 +254,15 @@ def _read_documents(
             f"TextFolder: no files under {where} (hidden files and folders are skipped). "
             "Point data.init_args.path at a folder or file of text."
         )
-    docs: list[tuple[str, bytes]] = []
-    unreadable = list(corpus.unlisted)
-    binary = empty = 0
-    left = max_bytes
-    for source in corpus.sources:
-        if left is not None and left <= 0:
-            break
-        try:
-            data = _read_file(source.path, -1 if left is None else left)
-        except OSError as err:
-            unreadable.append((str(source.path), err.strerror or str(err)))
-            continue
-        text = _as_text(data, truncated=left is not None and len(data) == left)
-        if text is None:
-            binary += 1
-        elif not text:
-            empty += 1
-        else:
-            docs.append((source.rel, text))
-            if left is not None:
-                left -= len(data)
-    if unreadable:
-        names = ", ".join(f"{p} ({e})" for p, e in unreadable[:5])
-        more = f" and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""
-        if not docs and binary == 0 and empty == 0:
-            raise PermissionError(
-                f"TextFolder: every file under {where} is unreadable, e.g. {names}{more}. "
-                "Check the permissions, or point data.init_args.path elsewhere."
-            )
-        warnings.warn(
-            f"TextFolder: skipped {len(unreadable)} unreadable file(s) or folder(s): {names}{more}", stacklevel=2
-        )
-    if not docs:
+    reading = _read_texts(corpus, max_bytes)
+    _report_unreadable(reading, where)
+    if not reading.docs:
         raise ValueError(
-            f"TextFolder: no readable text files under {where}: {binary} skipped as binary (a NUL byte in "
-            f"the first {SNIFF_BYTES} bytes, or not UTF-8), {empty} empty, {len(unreadable)} unreadable. "
-            "Point data.init_args.path at UTF-8 text."
+            f"TextFolder: no readable text files under {where}: {reading.binary} skipped as binary (a NUL byte in "
+            f"the first {SNIFF_BYTES} bytes, or not UTF-8), {reading.empty} empty, {len(reading.unreadable)} "
+            "unreadable. Point data.init_args.path at UTF-8 text."
         )
-    stats = {"skipped_binary": binary, "skipped_empty": empty, "skipped_unreadable": len(unreadable)}
-    return docs, stats
+    return reading.docs, reading.stats()
 
 
 def _split_documents(
@@ -263,6 +292,22 @@ def _split_documents(
             val_pieces.append((data[k:], True))
         offset += len(data)
     return train_pieces, val_pieces, "stream"
+
+
+def _check_corpus_path(path: Path) -> None:
+    """``path`` must be an existing folder or regular file.
+
+    Raises:
+        FileNotFoundError: It does not exist.
+        ValueError: It is something else (a FIFO, a device, ...).
+    """
+    if not path.exists():
+        raise FileNotFoundError(
+            f"TextFolder: path {str(path)!r} does not exist. Set data.init_args.path to a folder "
+            "or file of text, or leave it empty for the Python standard library's sources."
+        )
+    if not (path.is_dir() or path.is_file()):
+        raise ValueError(f"TextFolder: path {str(path)!r} is neither a folder nor a regular file.")
 
 
 # ------------------------------------------------------------------------- token windows and the DataModule
@@ -343,12 +388,11 @@ class TextFolder(DataModule):
     instead: its last ``val_fraction`` of bytes (moved back to a character boundary) is validation.
     Documents end with an end-of-text token (byte 0xFF, or ``<|endoftext|>`` for BPE).
 
-    The token arrays (and the BPE ``tokenizer.json``) are cached under ``cache_dir`` in a folder named by a
-    hash of the files' resolved paths, sizes and modification times, ``max_bytes``, the tokenizer,
-    ``vocab_size``, ``val_fraction`` and the format version: a changed corpus or setting is re-tokenized,
-    an unchanged one is loaded in milliseconds. Several ranks may build the same entry at once; each
-    builds in a temporary folder and renames it into place, so a reader never sees a half-written entry.
-    Old entries are not deleted; remove ``cache_dir`` to reclaim the space.
+    The token arrays (and the BPE ``tokenizer.json``) are cached under ``cache_dir``, keyed by the listed
+    files and the settings (:class:`_TokenCache` says exactly what the key covers): a changed corpus or
+    setting is re-tokenized, an unchanged one is loaded from the cache. Several ranks may build the same
+    entry at once; each builds in a temporary folder and renames it into place, so a reader never sees a
+    half-written entry. Old entries are not deleted; remove ``cache_dir`` to reclaim the space.
 
     The model's embedding must hold :attr:`vocab_size_bound` ids. litgpt's ``--tokenizer_dir`` must be
     unset: this module trains its own tokenizer (choose it with ``tokenizer``), and :meth:`connect` refuses
@@ -357,13 +401,14 @@ class TextFolder(DataModule):
     Args:
         path: A folder of text files (read recursively) or one text file. Empty (None): the ``.py`` files
             of this Python's standard library (:func:`stdlib_root`), leaving out ``site-packages`` and the
-            ``test``/``tests``/``idle_test`` folders; about 12 MB of real text every machine has, enough
-            for models up to a few million parameters. Bring your own corpus for anything larger: the
-            number of tokens should be at least ~20x the parameter count for the loss to mean much.
+            ``test``/``tests``/``idle_test`` folders: real text every machine has (its size is in
+            ``docs/litgpt.md``), enough for models of up to a few million parameters. Bring your own corpus
+            for anything larger: the number of tokens should be at least ~20x the parameter count for the
+            loss to mean much.
         tokenizer: "byte": the 256 byte values, nothing to train; the simplest choice for small models and
-            tests, but sequences are 3-4x longer than with BPE for the same text. "bpe": a byte-level BPE
-            trained on the train split with the ``tokenizers`` package (seconds for tens of MB); use it for
-            models of 10M+ parameters, whose context then covers more text per token.
+            tests, but sequences are several times longer than with BPE for the same text. "bpe": a
+            byte-level BPE trained on the train split with the ``tokenizers`` package; use it for models of
+            10M+ parameters, whose context then covers more text per token.
         vocab_size: BPE vocabulary size including the 256 byte symbols and ``<|endoftext|>`` (>= 257;
             ignored for "byte"). Larger vocabularies shorten the sequences but add ``vocab_size x n_embd``
             embedding parameters and need more text per id: 4096-8192 for corpora of ~10 MB, 16k-32k for
@@ -374,7 +419,7 @@ class TextFolder(DataModule):
             validation split is too small for one window of ``max_seq_length + 1`` tokens.
         max_bytes: Read at most this many bytes of text, files taken in sorted order and the last one cut
             (at a character boundary). None reads everything. Set it for quick runs and smoke tests
-            (e.g. 1_000_000); the whole standard-library default tokenizes in under 15 s anyway.
+            (e.g. 1_000_000); the standard-library default needs no limit.
         cache_dir: Where the token arrays and the tokenizer are cached. Default ``$LIGHTNING_SCAPE_CACHE``,
             else ``~/.cache/lightning_scape/text``. On a multi-node run without a shared filesystem every
             node builds its own (identical) cache.
@@ -399,6 +444,20 @@ class TextFolder(DataModule):
 
     def __post_init__(self) -> None:
         super().__init__()
+        problems = self._setting_problems()
+        if problems:
+            raise ValueError("Invalid TextFolder: " + "; ".join(problems) + ".")
+        if self.path is not None:
+            # jsonargparse gives a Path; Python callers may pass a str.
+            self.path = Path(self.path).expanduser()
+            _check_corpus_path(self.path)
+        if self.cache_dir is not None:
+            self.cache_dir = Path(self.cache_dir).expanduser()
+        # The loaded splits, keyed by their cache entry so a changed corpus is never served stale.
+        self._loaded: tuple[Path, torch.Tensor, torch.Tensor] | None = None
+
+    def _setting_problems(self) -> list[str]:
+        """What is wrong with the settings other than ``path``, each saying what to use; all of them at once."""
         problems: list[str] = []
         if self.tokenizer not in ("byte", "bpe"):
             problems.append(f"tokenizer={self.tokenizer!r} is unknown; use 'byte' or 'bpe'")
@@ -413,22 +472,7 @@ class TextFolder(DataModule):
             problems.append(f"max_bytes={self.max_bytes!r} must be a positive number of bytes, or empty for no limit")
         if self.num_workers < 0:
             problems.append(f"num_workers={self.num_workers!r} must be >= 0")
-        if problems:
-            raise ValueError("Invalid TextFolder: " + "; ".join(problems) + ".")
-        if self.path is not None:
-            # jsonargparse gives a Path; Python callers may pass a str.
-            self.path = Path(self.path).expanduser()
-            if not self.path.exists():
-                raise FileNotFoundError(
-                    f"TextFolder: path {str(self.path)!r} does not exist. Set data.init_args.path to a folder "
-                    "or file of text, or leave it empty for the Python standard library's sources."
-                )
-            if not (self.path.is_dir() or self.path.is_file()):
-                raise ValueError(f"TextFolder: path {str(self.path)!r} is neither a folder nor a regular file.")
-        if self.cache_dir is not None:
-            self.cache_dir = Path(self.cache_dir).expanduser()
-        # The loaded splits, keyed by their cache entry so a changed corpus is never served stale.
-        self._loaded: tuple[Path, torch.Tensor, torch.Tensor] | None = None
+        return problems
 
     # ------------------------------------------------------------------------------------------- public API
 
@@ -550,6 +594,7 @@ class TextFolder(DataModule):
     # ---------------------------------------------------------------------------------------------- checks
 
     def _require_connected(self) -> int:
+        """``max_seq_length``, which :meth:`connect` sets; the dataloaders cannot be built without it."""
         if self.max_seq_length is None:
             raise RuntimeError("TextFolder: call connect(batch_size=..., max_seq_length=...) before the dataloaders.")
         return self.max_seq_length
@@ -608,9 +653,11 @@ class _TokenCache:
     """The on-disk token cache of one corpus and its settings: naming, checking and building its entry.
 
     An entry is a folder ``{tokenizer}-{hash}`` under ``cache_dir`` holding ``train.pt``, ``val.pt``, for "bpe"
-    ``tokenizer.json``, and ``meta.json``, written last. The hash covers the listed files (relative paths,
-    sizes, modification times, permission bits), the root, every setting below and :data:`FORMAT_VERSION`.
-    An entry is built in a temporary folder and renamed into place, so it only ever appears complete.
+    ``tokenizer.json``, and ``meta.json``, written last. The hash (:meth:`entry_dir`) covers the corpus root
+    and whether it is the standard-library default, every listed file's relative path, size, modification
+    time and permission bits, ``tokenizer``, ``vocab_size``, ``val_fraction``, ``max_bytes`` and
+    :data:`FORMAT_VERSION`; not ``cache_dir``, which is where the entry lives. An entry is built in a
+    temporary folder and renamed into place, so it only ever appears complete.
     """
 
     path: Path | None  # TextFolder's path; None: the standard library's sources
@@ -711,6 +758,7 @@ class _TokenCache:
 
 
 def _entry_complete(entry: Path, kind: str) -> bool:
+    """Whether ``entry`` holds every file of a cache entry of tokenizer ``kind`` (``meta.json`` is written last)."""
     names = ["train.pt", "val.pt", "meta.json"] + (["tokenizer.json"] if kind == "bpe" else [])
     return all((entry / n).is_file() for n in names)
 

@@ -11,15 +11,11 @@ Multi-node runs need no change: Lightning's cluster environments (torchrun, SLUR
 ``NODE_RANK`` ...) are detected by the strategy as for ``"ddp"``. On one machine with ``devices > 1`` the
 command re-runs itself once per extra local process (Lightning's ``popen`` launcher).
 
-Two things are adapted around litgpt, not inside its loop:
-
-* litgpt saves ``hyperparameters.yaml`` by re-parsing ``sys.argv`` against its own ``setup`` signature, which
-  does not know the ``scape:`` section; here the file is written from this command's parsed arguments instead.
-* ``torch.compile`` (which litgpt always applies) is a no-op unless ``compile`` is on: by default on CUDA, off
-  on the CPU, where compiling a small model costs more than the run.
-* The command measures its own training throughput and prints it at the end with the bytes sent, the log
-  folder and the checkpoints; litgpt's summary line "Tok/sec" (total tokens divided by a ``perf_counter``
-  timestamp, not by a duration) is left out.
+What is adapted around litgpt's loop (never inside it) is in :mod:`~lightning_scape.litgpt.litgpt_adaptations`,
+one function per litgpt attribute, with the litgpt versions it was checked against. At the end the command
+prints its own summary: the training throughput (validation and checkpoint time left out), the bytes sent
+against dense data parallelism, the log folder and the checkpoints; litgpt's "Tok/sec" line, which is not a
+throughput, is left out.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -39,6 +34,7 @@ import torch
 from litgpt.args import EvalArgs, LogArgs, TrainArgs
 
 from lightning_scape.config import ScapeConfig
+from lightning_scape.litgpt.litgpt_adaptations import litgpt_adapted
 
 if TYPE_CHECKING:
     import lightning as L
@@ -128,8 +124,8 @@ def pretrain(
         scape: The SCAPE section (:class:`~lightning_scape.ScapeConfig`); every field has tuning advice there.
         process_group_backend: "nccl" or "gloo"; default NCCL on GPUs, gloo on CPU.
         compile: Compile the model with ``torch.compile``, as litgpt does. Default: on with CUDA, off on the
-            CPU, where compiling takes longer than a short run trains (measured with recipes/debug.yaml on 2
-            cores: 54 s for 40 steps compiled, 36 s for 200 steps without).
+            CPU, where compiling takes longer than a short run trains (timings of recipes/debug.yaml in
+            docs/litgpt.md).
         comm_log_interval: Every this many optimizer steps, print and log SCAPE's communication (``comm/``
             keys: bytes sent per step and their ratio to dense). 0: litgpt's ``train.log_interval``.
         _hyperparameters: The parsed command line, written to each checkpoint's ``hyperparameters.yaml``
@@ -165,7 +161,7 @@ def pretrain(
     )
     compile = fabric.device.type == "cuda" if compile is None else compile
     fabric.print(f"compile: {'on' if compile else 'off'} (torch.compile{'' if compile else ' is a no-op'})")
-    with _litgpt_adapted(
+    with litgpt_adapted(
         litgpt_pretrain,
         compile=compile,
         hyperparameters=_hyperparameters,
@@ -362,7 +358,7 @@ def _launch_fabric(
         f"{planned} optimizer steps of {comm_logger.tokens_per_step(fabric.world_size):,} tokens"
         + (f"; steps 1-{min(warmup, planned)} are SCAPE's dense warm-up (then the density ramp)" if warmup else "")
     )
-    strategy._warmup_notice.before_run(scape, planned)
+    strategy.warn_if_all_dense(planned)
     log_dir = getattr(logger, "log_dir", None)
     if log_dir is not None:
         comm_logger.log_dir = Path(log_dir)
@@ -538,130 +534,6 @@ class _CommunicationLogger:
         if final.exists():
             lines.append(f"  checkpoint:    {final} (SCAPE's per-process state in {final.name}.scape/)")
         fabric.print("\n".join(lines))
-
-
-@contextlib.contextmanager
-def _litgpt_adapted(
-    module: Any,
-    compile: bool,
-    hyperparameters: dict[str, Any] | None,
-    data: Any,
-    fabric: Any = None,
-    clock: _Clock | None = None,
-) -> Iterator[None]:
-    """Adapt litgpt's pretraining module for the duration of the run.
-
-    - litgpt calls ``save_hyperparameters`` on rank 0 for every checkpoint folder; here it writes this
-      command's parsed arguments and, for a data module that trained its own BPE, that ``tokenizer.json`` (so
-      ``litgpt generate`` can use the checkpoint folder as it is).
-    - Its ``fit`` is entered after the resume, so that a checkpoint written by another number of processes
-      continues at the same point (:func:`continue_on_world_size`).
-    - ``compile=False`` makes ``torch.compile`` a no-op.
-    - With ``fabric``: its ``print`` leaves out litgpt's summary line "Tok/sec" (total tokens divided by a
-      ``perf_counter`` timestamp; the command prints its own measurement).
-    - With ``clock``: validation and checkpoint saving pause it.
-    """
-    import torch._dynamo
-
-    litgpt_fit = getattr(module, "fit", None)
-
-    def fit(*args: Any, **kwargs: Any) -> Any:
-        continue_on_world_size(kwargs["fabric"], kwargs["state"])
-        assert litgpt_fit is not None
-        return litgpt_fit(*args, **kwargs)
-
-    def save_hyperparameters(_function: Any, checkpoint_dir: Path, *args: Any, **kwargs: Any) -> None:
-        if hyperparameters is not None:
-            import yaml
-
-            with open(Path(checkpoint_dir) / "hyperparameters.yaml", "w") as fh:
-                yaml.safe_dump(hyperparameters, fh, sort_keys=False)
-        tokenizer = getattr(data, "tokenizer_path", None)
-        if tokenizer is not None and Path(tokenizer).is_file():
-            shutil.copyfile(tokenizer, Path(checkpoint_dir) / "tokenizer.json")
-
-    def paused(fn: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            assert clock is not None
-            with clock.paused():
-                return fn(*args, **kwargs)
-
-        return run
-
-    timed = ("validate", "save_checkpoint") if clock is not None else ()
-    saved = {name: getattr(module, name) for name in ("save_hyperparameters", *timed)}
-    saved_disable = torch._dynamo.config.disable
-    module.save_hyperparameters = save_hyperparameters
-    for name in timed:
-        setattr(module, name, paused(saved[name]))
-    if litgpt_fit is not None:
-        module.fit = fit
-    if not compile:
-        torch._dynamo.config.disable = True
-    fabric_print = None
-    if fabric is not None:
-        fabric_print = fabric.print
-
-        def print_without_tok_sec(*args: Any, **kwargs: Any) -> None:
-            if args and str(args[0]).startswith("| - Tok/sec"):
-                return
-            fabric_print(*args, **kwargs)
-
-        fabric.print = print_without_tok_sec
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
-        if litgpt_fit is not None:
-            module.fit = litgpt_fit
-        torch._dynamo.config.disable = saved_disable
-        if fabric is not None:
-            fabric.print = fabric_print
-
-
-def continue_on_world_size(fabric: L.Fabric, state: dict[str, Any]) -> None:
-    """After a resume from a checkpoint written by another number of processes, continue at the same point.
-
-    The SCAPE strategy re-shards its own state when it loads. litgpt's loop, however, counts its position per
-    process: ``iter_num`` micro-batches, and the train loader's batches of the epoch, each on every process.
-    With the same ``global_batch_size`` and ``micro_batch_size`` the tokens seen so far are ``iter_num x W``
-    micro-batches over all processes, so on W' processes the loop resumes at ``iter_num x W / W'`` (the learning
-    rate schedule, the end of training and the logged steps then continue where they were), and a
-    :class:`~lightning_scape.litgpt.data.ResumableDataLoader` skips ``position x W / W'`` batches of its epoch: the same
-    samples, because ``DistributedSampler`` splits one shuffled order of the epoch among the processes. Other
-    loaders restore their own state unchanged.
-
-    Raises:
-        ValueError: When the position is not a whole number of micro-batches on the new number of processes.
-    """
-    from lightning_scape.litgpt.data import ResumableDataLoader
-
-    saved = getattr(fabric.strategy, "checkpoint_world_size", None)
-    world = fabric.world_size
-    if saved is None or saved == world:
-        return
-    loader = state.get("train_dataloader")
-    inner = getattr(loader, "_dataloader", loader)
-    positions = {"iter_num": int(state["iter_num"])}
-    if isinstance(inner, ResumableDataLoader):
-        positions["train_dataloader position"] = int(inner.state_dict()["position"])
-    for what, value in positions.items():
-        if value * saved % world:
-            raise ValueError(
-                f"The checkpoint was written by {saved} processes at {what}={value} (per process); on {world} "
-                f"processes that is {value * saved / world}, not a whole number of micro-batches. Resume on a number "
-                f"of processes that divides {value * saved}, with the global_batch_size and micro_batch_size of the "
-                "run that wrote it."
-            )
-    state["iter_num"] = positions["iter_num"] * saved // world
-    if isinstance(inner, ResumableDataLoader):
-        epoch = inner.state_dict()["epoch"]
-        inner.load_state_dict({"epoch": epoch, "position": positions["train_dataloader position"] * saved // world})
-    fabric.print(
-        f"SCAPE: resumed a checkpoint of {saved} processes on {world}: SCAPE state re-sharded, litgpt continues at "
-        f"iteration {state['iter_num']} (was {positions['iter_num']} on {saved} processes)."
-    )
 
 
 # ----------------------------------------------------------------------------------------- command line
