@@ -1,4 +1,7 @@
-"""Test set-up: one intra-op thread per process, so CPU matmuls are reproducible across runs; ``tests/`` importable.
+"""Test set-up: one intra-op thread per process, so CPU matmuls are reproducible across runs.
+
+``tests/`` and the repository's root are importable (``import helpers``, ``import benchmarks``) through
+``pythonpath`` in pyproject.toml's ``[tool.pytest.ini_options]``.
 
 Fixtures: the two multi-process launches that several test modules read, each started once per session.
 """
@@ -7,17 +10,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import PYTHON, child_env, launcher_args, run_script
+
+from lightning_scape.examples.workloads import free_port
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(__file__))
-
-from helpers import PYTHON, child_env, launcher_args, run_script  # noqa: E402
-
-from lightning_scape.examples.workloads import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="session")

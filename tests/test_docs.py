@@ -1,4 +1,4 @@
-"""docs/lightning.md opens with a Trainer and a Fabric example that run as written, and print what it shows.
+"""docs/lightning.md's Trainer and Fabric examples run as written, and print what the page shows.
 
 Every ```python block of the page whose first line is ``# NAME.py`` is saved as ``NAME.py`` and run with
 ``python NAME.py`` (two CPU processes each, started by Lightning); the ```text block after it shows lines of
@@ -27,13 +27,8 @@ def _examples() -> dict[str, tuple[str, str]]:
     return {m.group(2): (m.group(1), m.group(4)) for m in EXAMPLE.finditer(DOC.read_text())}
 
 
-def test_the_page_opens_with_the_trainer_and_the_fabric_example() -> None:
-    text = DOC.read_text()
-    headings = re.findall(r"^## (.+)$", text, re.M)
-    assert headings[:2] == ["A first run with the Trainer", "A first run with Fabric"]
-    assert tuple(_examples()) == EXAMPLES
-    for code, _ in _examples().values():  # the default warm-up, in the first example a user reads
-        assert "dense_warmup_steps=30,  # the default" in code and "density_ramp_steps=400,  # the default" in code
+def test_the_page_holds_both_examples_with_their_output() -> None:
+    assert set(EXAMPLES) <= set(_examples()), sorted(_examples())
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch.distributed as dist
 from helpers import run_script
 
@@ -25,6 +26,7 @@ time.sleep(random.random() * 0.05)
 """
 
 
+@pytest.mark.dist
 def test_a_process_exits_cleanly_while_its_heartbeats_beat() -> None:
     for _ in range(6):  # P(all six pass) with the bug present is below 1%
         run_script(["-c", _EXIT_WHILE_BEATING], timeout_s=60)

@@ -309,3 +309,22 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_config_names_a_shipped_recipe(tmp_path: Path) -> None:
+    from lightning_scape.litgpt.pretrain import _resolve_recipe_name, shipped_recipes
+
+    recipes = shipped_recipes()
+    assert {"debug", "pythia-14m"} <= set(recipes)
+    assert _resolve_recipe_name(["--config", "debug", "--seed", "1"]) == [
+        "--config",
+        str(recipes["debug"]),
+        "--seed",
+        "1",
+    ]
+    assert _resolve_recipe_name(["--config=pythia-14m.yaml"]) == [f"--config={recipes['pythia-14m']}"]
+    own = tmp_path / "debug"  # a file of the user's with a recipe's name wins
+    own.write_text("model_name: pythia-14m\n")
+    assert _resolve_recipe_name(["--config", str(own)]) == ["--config", str(own)]
+    with pytest.raises(RecipeError, match=r"not a recipe shipped with lightning-scape .*debug"):
+        _resolve_recipe_name(["--config", "no-such-recipe"])

@@ -19,10 +19,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.network.time_to_loss import (  # noqa: E402
+from benchmarks.network.time_to_loss import (
     BUDGETS,
     CurvePoint,
     loss_at_time,
@@ -31,8 +28,10 @@ from benchmarks.network.time_to_loss import (  # noqa: E402
     summarize_ttl,
     time_to_target,
 )
-from benchmarks.network.worker import TTL_METHODS, ttl_scape_config  # noqa: E402
-from lightning_scape import ScapeConfig  # noqa: E402
+from benchmarks.network.worker import TTL_METHODS, ttl_scape_config
+from lightning_scape import ScapeConfig
+
+REPO = Path(__file__).resolve().parents[1]  # the benchmarks run as modules from here
 
 # Three evaluations: loss 5 at 0 s, 3 at 5 s (step 2), 2 at 9 s (step 4); 10 bytes per step, 12 on the wire.
 CURVE = [
@@ -215,8 +214,7 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
         "--out",
         str(tmp_path),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env["LIGHTNING_SCAPE_CACHE"] = str(tmp_path / "cache")
+    env = {**os.environ, "LIGHTNING_SCAPE_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "running on loopback WITHOUT any rate limit" in proc.stdout
@@ -247,7 +245,7 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
     assert "LOOPBACK, NO RATE LIMIT" in md and "Target L*" in md and "Sizing:" in md
     headline = (tmp_path / "headline.md").read_text()
     assert "loopback, NO LIMIT" in headline and "(4; SCAPE 6)" in headline
-    assert "```bash" not in headline  # README keeps its two bash blocks
+    assert "```bash" not in headline  # pasted into the README: no bash block beside its set-up commands
     with open(tmp_path / "curves.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == 3 * (len(TTL_METHODS) - len(scape)) + 4 * len(scape)

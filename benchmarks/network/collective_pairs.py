@@ -87,13 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     if reason is not None:
         raise SystemExit(f"needs network namespaces ({reason}): run as root on Linux.")
     netns._QUEUE_SECONDS = args.queue_seconds
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with netns.EmulatedNetwork(2, netns.parse_profile(args.profile)) as net:
         procs = []
         for h in net.hosts:
             env = {
                 **os.environ,
-                "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "MASTER_ADDR": net.master_addr,
                 "MASTER_PORT": "29511",
                 "WORLD_SIZE": "2",
@@ -103,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                 "PYTHONWARNINGS": "ignore",
             }
             cmd = [*h.command_prefix(), sys.executable, "-m", "benchmarks.network.collective_pairs", "--worker"]
-            procs.append(subprocess.Popen(cmd, env=env, cwd=root))
+            procs.append(subprocess.Popen(cmd, env=env, cwd=netns.REPO_ROOT))  # as a module, from the root
         codes = [p.wait() for p in procs]
     if any(codes):
         raise SystemExit(f"a worker failed: exit codes {codes}")

@@ -52,6 +52,8 @@ _BURST_SECONDS = 0.001
 # Queue: 50 ms of traffic (6.25 MB at 1 Gbit/s), enough that TCP never overflows it on these links.
 _QUEUE_SECONDS = 0.050
 _MIN_QUEUE_BYTES = 256 * 1024
+# The repository's root: commands started there as ``python -m benchmarks...`` find the benchmarks.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass(frozen=True)
@@ -145,9 +147,9 @@ def netns_unavailable_reason() -> str | None:
     return None
 
 
-def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+def _run(cmd: list[str], check: bool = True, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run a command, raising an error that shows it and its stderr when it fails."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=cwd)
     if check and proc.returncode != 0:
         raise RuntimeError(
             f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr.strip()}\n"
@@ -441,19 +443,16 @@ def measure_throughput(net: Network, seconds: float = 1.0, port: int = 29400) ->
         return None
     src, dst = net.hosts[0], net.hosts[1]
     me = [sys.executable, "-m", "benchmarks.network.netns"]
-    env = {**os.environ, "PYTHONPATH": _repo_root() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     server = subprocess.Popen(
         [*dst.command_prefix(), *me, "serve", dst.address, str(port), str(seconds + 10)],
         stdout=subprocess.PIPE,
         text=True,
-        env=env,
+        cwd=REPO_ROOT,
     )
     try:
         for _ in range(100):  # the server needs a moment to listen
-            if (
-                _run([*src.command_prefix(), *me, "send", dst.address, str(port), str(seconds)], check=False).returncode
-                == 0
-            ):
+            send = [*src.command_prefix(), *me, "send", dst.address, str(port), str(seconds)]
+            if _run(send, check=False, cwd=REPO_ROOT).returncode == 0:
                 break
             time.sleep(0.1)
         out, _ = server.communicate(timeout=seconds + 20)
@@ -462,10 +461,6 @@ def measure_throughput(net: Network, seconds: float = 1.0, port: int = 29400) ->
             server.kill()
             server.wait()
     return float(out.strip()) if out.strip() else None
-
-
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _serve(addr: str, port: int, timeout_s: float) -> None:

@@ -19,35 +19,14 @@ alone, so both cores stay busy as in the other methods). Outputs under ``--out``
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
-import json
 import math
 import os
-import platform
-import shlex
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
-from benchmarks.network.netns import (
-    PROFILES,
-    EmulatedNetwork,
-    Host,
-    LoopbackNetwork,
-    Network,
-    cleanup_stale,
-    measure_throughput,
-    netns_unavailable_reason,
-    parse_profile,
-    signals_raise,
-)
+from benchmarks.network import harness
+from benchmarks.network.netns import PROFILES
 from benchmarks.network.worker import (
     ALL_METHODS,
     COMPUTE_ONLY,
@@ -55,9 +34,21 @@ from benchmarks.network.worker import (
     METHOD_LABELS,
     WorkerSpec,
 )
-from lightning_scape.examples.workloads import MODEL_PRESETS, free_port
+from benchmarks.reporting import (
+    cumsum,
+    fmt,
+    goodput_cell,
+    machine_line,
+    mean,
+    method_style,
+    network_column,
+    network_mode,
+    pyplot,
+    write_csv,
+    write_json,
+)
+from lightning_scape.examples.workloads import MODEL_PRESETS
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOSS_WINDOW = 10  # losses are averaged over this many steps (one rank's batch is 512 tokens: noisy)
 SCAPE_HEADLINE = "scape_sharded_d0.01"
 DDP_HEADLINE = "ddp_adamw"
@@ -69,178 +60,6 @@ def _pct(values: list[float], q: float) -> float:
         return math.nan
     i = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
     return s[i]
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
-
-
-def machine_description() -> dict[str, Any]:
-    """CPU, cores, memory, kernel, Python and torch versions, load average."""
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem_gib = math.nan
-    try:
-        with open("/proc/meminfo") as fh:
-            mem_gib = int(fh.readline().split()[1]) / 2**20
-    except (OSError, ValueError, IndexError):
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem_gib, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "loadavg_start": os.getloadavg(),
-    }
-
-
-def _tail(path: str, lines: int = 25) -> str:
-    try:
-        with open(path, errors="replace") as fh:
-            return "".join(fh.readlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the runner dies, even by SIGKILL (Linux only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM, then SIGKILL after 5 s, each worker this run started (by its own process group id)."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.time() + 5
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
-def run_profile(net: Network, args: argparse.Namespace, methods: list[str], prof_dir: str) -> dict[str, Any]:
-    """Start one worker per host of ``net`` (set up), wait for them, return their per-rank records."""
-
-    def spec_for(h: Host) -> WorkerSpec:
-        return WorkerSpec(
-            methods=methods,
-            steps=args.steps,
-            warmup=args.warmup,
-            model=args.model,
-            batch_size=args.batch_size,
-            block_size=args.block_size,
-            lr=args.lr,
-            chunk_size=args.chunk_size,
-            max_bytes=args.max_bytes,
-            out_dir=prof_dir,
-            ifname=h.ifname,
-            timeout_s=args.timeout_s,
-        )
-
-    return launch_workers(net, spec_for, prof_dir, args.timeout_s)
-
-
-def launch_workers(
-    net: Network, spec_for: Callable[[Host], WorkerSpec], prof_dir: str, timeout_s: float
-) -> dict[str, Any]:
-    """Start one worker per host of ``net`` (set up) with ``spec_for(host)``, wait, return their records.
-
-    Args:
-        net: The network, set up.
-        spec_for: The worker spec of a host (``out_dir`` must be ``prof_dir``).
-        prof_dir: Where the specs, logs and the workers' ``rank<r>.json`` go.
-        timeout_s: Give up (and stop the workers) after this many seconds.
-
-    Returns:
-        ``ranks`` (the workers' records, by rank) and ``qdisc`` (the shapers' counters).
-
-    Raises:
-        RuntimeError: A worker failed (the message holds the tail of every rank's log).
-        TimeoutError: The workers ran longer than ``timeout_s``.
-    """
-    os.makedirs(prof_dir, exist_ok=True)
-    port = 29500 if net.emulated else free_port()
-    world_size = len(net.hosts)
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[str] = []
-    try:
-        for h in net.hosts:
-            spec = spec_for(h)
-            spec_path = os.path.join(prof_dir, f"spec_rank{h.rank}.json")
-            with open(spec_path, "w") as fh:
-                json.dump(asdict(spec), fh, indent=1)
-            env = {
-                **os.environ,
-                "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                "MASTER_ADDR": net.master_addr,
-                "MASTER_PORT": str(port),
-                "WORLD_SIZE": str(world_size),
-                "RANK": str(h.rank),
-                "NODE_RANK": str(h.rank),
-                "GROUP_RANK": str(h.rank),
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1",
-                # gloo must use the host's own interface (in a namespace the hostname resolves to nothing).
-                "GLOO_SOCKET_IFNAME": h.ifname,
-                "OMP_NUM_THREADS": "1",
-            }
-            log = os.path.join(prof_dir, f"rank{h.rank}.log")
-            logs.append(log)
-            with open(log, "wb") as lf:
-                cmd = [*h.command_prefix(), sys.executable, "-m", "benchmarks.network.worker", spec_path]
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        env=env,
-                        cwd=REPO_ROOT,
-                        stdout=None if h.rank == 0 else lf,
-                        stderr=lf,
-                        start_new_session=True,
-                        preexec_fn=_die_with_parent,
-                    )
-                )
-        deadline = time.time() + timeout_s
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                detail = "\n".join(f"--- rank {r} ({logs[r]}):\n{_tail(logs[r])}" for r in range(len(procs)))
-                raise RuntimeError(f"worker rank(s) {failed} failed with exit codes {codes}.\n{detail}")
-            if all(c == 0 for c in codes):
-                break
-            if time.time() > deadline:
-                raise TimeoutError(
-                    f"workers still running after --timeout-s {timeout_s:.0f} s; raise it, or lower "
-                    f"--steps (logs: {prof_dir})."
-                )
-            time.sleep(0.2)
-    finally:
-        _stop(procs)
-    ranks = []
-    for r in range(len(net.hosts)):
-        with open(os.path.join(prof_dir, f"rank{r}.json")) as fh:
-            ranks.append(json.load(fh))
-    return {"ranks": ranks, "qdisc": net.qdisc_stats()}
 
 
 def summarize(
@@ -269,15 +88,12 @@ def summarize(
         # A step ends when its slowest rank ends (all ranks started together after a barrier).
         step_s = [max(r["step_s"][i] for r in recs) for i in range(steps)]
         exposed_s = [max(r["bwd_tail_s"][i] + r["wait_s"][i] for r in recs) for i in range(steps)]
-        loss = [_mean([r["loss"][i] for r in recs]) for i in range(steps)]
-        cum, t = [], 0.0
-        for s in step_s:
-            t += s
-            cum.append(t)
+        loss = [mean([r["loss"][i] for r in recs]) for i in range(steps)]
+        cum = cumsum(step_s)
         timed = step_s[first:]
         med = statistics.median(timed)
-        sent = _mean([_mean([float(r["sent"][i]) for r in recs]) for i in range(first, steps)])
-        tx = _mean([_mean([float(r["tx"][i]) for r in recs]) for i in range(first, steps)])
+        sent = mean([mean([float(r["sent"][i]) for r in recs]) for i in range(first, steps)])
+        tx = mean([mean([float(r["tx"][i]) for r in recs]) for i in range(first, steps)])
         formula = recs[0]["formula_bytes"]
         per[name] = {
             "method": name,
@@ -296,7 +112,7 @@ def summarize(
             "tx_bytes_kernel": tx if emulated else math.nan,
             "kernel_over_formula": tx / formula if emulated and formula else math.nan,
             "counters_over_formula": sent / formula if formula else math.nan,
-            "loss_final": _mean(loss[-LOSS_WINDOW:]),
+            "loss_final": mean(loss[-LOSS_WINDOW:]),
             "total_s": cum[-1],
             "loss_curve": loss,
             "cum_time_s": cum,
@@ -324,7 +140,7 @@ def summarize(
     t_equal = min((p["total_s"] for p in distributed), default=math.nan)
     for p in per.values():
         within = [loss_i for loss_i, c in zip(p["loss_curve"], p["cum_time_s"], strict=True) if c <= t_equal + 1e-9]
-        p["loss_at_equal_time"] = _mean(within[-LOSS_WINDOW:]) if within else math.nan
+        p["loss_at_equal_time"] = mean(within[-LOSS_WINDOW:]) if within else math.nan
         p["steps_at_equal_time"] = len(within)
     ddp = per.get(DDP_HEADLINE)
     for p in per.values():
@@ -359,10 +175,6 @@ def _ratios(summary: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _fmt(v: float, spec: str = ".1f") -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
 def markdown_table(summary: dict[str, Any], emulated: bool) -> str:
     """The per-method table of one profile."""
     head = (
@@ -374,14 +186,14 @@ def markdown_table(summary: dict[str, Any], emulated: bool) -> str:
     lines = [head, "|" + "---|" * 15]
     for p in summary["per_method"].values():
         lines.append(
-            f"| {p['label']} | {_fmt(p['step_ms_median'])} | {_fmt(p['step_ms_p10'])}-{_fmt(p['step_ms_p90'])} "
-            f"| {_fmt(p['vs_compute_paired'], '.3f')} | {_fmt(p['ddp_vs_paired'], '.3f')} "
-            f"| {_fmt(p['vs_scape_paired'], '.3f')} "
-            f"| {_fmt(p['tokens_per_s'], '.0f')} | {_fmt(p['exposed_comm_ms'])} "
-            f"| {_fmt(p['sent_bytes_counters'] / 1e3)} | {_fmt(p['formula_bytes'] / 1e3)} "
-            f"| {_fmt(p['tx_bytes_kernel'] / 1e3) if emulated else 'n/a (loopback)'} "
-            f"| {_fmt(p['kernel_over_formula'], '.3f')} | {_fmt(p['bytes_vs_ddp'], '.1f')} "
-            f"| {_fmt(p['loss_final'], '.3f')} | {_fmt(p['loss_at_equal_time'], '.3f')} ({p['steps_at_equal_time']}) |"
+            f"| {p['label']} | {fmt(p['step_ms_median'])} | {fmt(p['step_ms_p10'])}-{fmt(p['step_ms_p90'])} "
+            f"| {fmt(p['vs_compute_paired'], '.3f')} | {fmt(p['ddp_vs_paired'], '.3f')} "
+            f"| {fmt(p['vs_scape_paired'], '.3f')} "
+            f"| {fmt(p['tokens_per_s'], '.0f')} | {fmt(p['exposed_comm_ms'])} "
+            f"| {fmt(p['sent_bytes_counters'] / 1e3)} | {fmt(p['formula_bytes'] / 1e3)} "
+            f"| {fmt(p['tx_bytes_kernel'] / 1e3) if emulated else 'n/a (loopback)'} "
+            f"| {fmt(p['kernel_over_formula'], '.3f')} | {fmt(p['bytes_vs_ddp'], '.1f')} "
+            f"| {fmt(p['loss_final'], '.3f')} | {fmt(p['loss_at_equal_time'], '.3f')} ({p['steps_at_equal_time']}) |"
         )
     return "\n".join(lines)
 
@@ -389,19 +201,12 @@ def markdown_table(summary: dict[str, Any], emulated: bool) -> str:
 def write_outputs(results: dict[str, Any], out: str) -> None:
     """results.md, results.csv, results.json and the plots."""
     emulated = results["emulated"]
-    mode = (
-        "emulated network (namespaces, veth, bridge, tc tbf)"
-        if emulated
-        else f"LOOPBACK, NO RATE LIMIT ({results['loopback_reason']}): not a network measurement"
-    )
-    m = results["machine"]
     md = [
         "# Network benchmark results",
         "",
-        f"Network: **{mode}**.",
+        f"Network: **{network_mode(results)}**.",
         f"Command: `{results['command']}`",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, kernel {m['kernel']}, Python "
-        f"{m['python']}, torch {m['torch']}; load average at start {tuple(round(x, 2) for x in m['loadavg_start'])}.",
+        f"Machine: {machine_line(results)}.",
         f"Model: litgpt GPT preset `{results['model']}` ({results['params'] / 1e6:.2f}M parameters), "
         f"W = {results['world_size']}, {results['batch_size']} x {results['block_size']} tokens per rank per step, "
         f"{results['steps']} steps ({results['warmup']} warm-up steps excluded from the medians and bytes).",
@@ -414,9 +219,9 @@ def write_outputs(results: dict[str, Any], out: str) -> None:
         md += [
             f"## Profile {prof['profile']}" + ("" if emulated else " (loopback: no limit)"),
             "",
-            f"Rate {_fmt(prof['rate_mbit'], '.0f') if prof['rate_mbit'] else 'unlimited'} Mbit/s per direction, "
+            f"Rate {fmt(prof['rate_mbit'], '.0f') if prof['rate_mbit'] else 'unlimited'} Mbit/s per direction, "
             f"one-way latency {prof['latency_ms']} ms; measured TCP goodput rank 0 -> 1: "
-            f"{_fmt(tput / 1e6 if tput else math.nan, '.0f')} Mbit/s. Loss at equal time: at "
+            f"{goodput_cell(tput)} Mbit/s. Loss at equal time: at "
             f"{s['equal_time_s']:.1f} s, the total time of the fastest distributed method.",
             "",
             markdown_table(s, emulated),
@@ -427,7 +232,7 @@ def write_outputs(results: dict[str, Any], out: str) -> None:
         for p in s["per_method"].values():
             rows.append(
                 {
-                    "network": "emulated" if emulated else "loopback-unlimited",
+                    "network": network_column(emulated),
                     "profile": prof["profile"],
                     "rate_mbit": prof["rate_mbit"],
                     **{k: v for k, v in p.items() if k not in ("loss_curve", "cum_time_s", "step_s")},
@@ -442,43 +247,25 @@ def write_outputs(results: dict[str, Any], out: str) -> None:
             "|---|" + "---|" * len(profs),
         ]
         for name in results["methods"]:
-            cells = [_fmt(p["summary"]["per_method"][name]["step_ms_median"]) for p in profs]
+            cells = [fmt(p["summary"]["per_method"][name]["step_ms_median"]) for p in profs]
             md.append(f"| {METHOD_LABELS.get(name, name)} | " + " | ".join(cells) + " |")
         md.append("")
     with open(os.path.join(out, "results.md"), "w") as fh:
         fh.write("\n".join(md))
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(os.path.join(out, "results.csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    with open(os.path.join(out, "results.json"), "w") as fh:
-        json.dump(results, fh, indent=1, default=str)
+    write_csv(os.path.join(out, "results.csv"), rows)
+    write_json(results, out)
     plot(results, out)
 
 
 def _style(method: str) -> dict[str, Any]:
     """One colour per method (tab10; compute-only is black), dashed for DDP, dotted for compute-only."""
-    import matplotlib
-
-    if method == COMPUTE_ONLY:
-        return {"color": "black", "linestyle": ":"}
-    names = [*ALL_METHODS, *EXTRA_METHODS]
-    i = names.index(method) if method in names else len(names)
-    return {"color": matplotlib.colormaps["tab10"](i % 10), "linestyle": "--" if method.startswith("ddp") else "-"}
+    return method_style(method, (*ALL_METHODS, *EXTRA_METHODS), reference=COMPUTE_ONLY)
 
 
 def plot(results: dict[str, Any], out: str) -> None:
     """Loss against step and against wall-clock per profile; step time against bandwidth."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib).")
+    plt = pyplot()
+    if plt is None:
         return
     tag = "" if results["emulated"] else " [LOOPBACK, no rate limit]"
     for prof in results["profiles"]:
@@ -488,7 +275,7 @@ def plot(results: dict[str, Any], out: str) -> None:
             for p in per.values():
                 y = p["loss_curve"]
                 k = min(LOSS_WINDOW, len(y))
-                smooth = [_mean(y[max(0, i - k + 1) : i + 1]) for i in range(len(y))]
+                smooth = [mean(y[max(0, i - k + 1) : i + 1]) for i in range(len(y))]
                 x = list(range(1, len(y) + 1)) if xkey is None else p[xkey]
                 ax.plot(x, smooth, label=p["label"], **_style(p["method"]))
             ax.set_xlabel(xlabel)
@@ -557,17 +344,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def resummarize(out: str) -> dict[str, Any]:
     """Rebuild every output of ``out`` from its per-rank records (after a change to the statistics)."""
-    with open(os.path.join(out, "results.json")) as fh:
-        results: dict[str, Any] = json.load(fh)
-    tokens = results["batch_size"] * results["block_size"]
+
+    def summary_of(ranks: list[dict[str, Any]], r: dict[str, Any]) -> dict[str, Any]:
+        return summarize(ranks, r["methods"], r["warmup"], r["batch_size"] * r["block_size"], r["emulated"])
+
+    results = harness.resummarize(out, summary_of)
     for prof in results["profiles"]:
-        ranks = []
-        for r in range(results["world_size"]):
-            with open(os.path.join(out, prof["profile"], f"rank{r}.json")) as fh:
-                ranks.append(json.load(fh))
-        qdisc = prof["summary"].get("qdisc")
-        prof["summary"] = summarize(ranks, results["methods"], results["warmup"], tokens, results["emulated"])
-        prof["summary"]["qdisc"] = qdisc
         prof["ratios"] = _ratios(prof["summary"])
     write_outputs(results, out)
     return results
@@ -591,67 +373,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"unknown method(s) {unknown}; choose from {[*ALL_METHODS, *EXTRA_METHODS]} or 'all' "
             "(e.g. --methods all,scape_sharded_d0.01_a2a)."
         )
-    names = list(PROFILES) if args.profile == "all" else [p for p in args.profile.split(",") if p]
-    profiles = [parse_profile(n, args.latency_ms) for n in names]
+    profiles = harness.select_profiles(args.profile, args.latency_ms)
     out = args.out or tempfile.mkdtemp(prefix="netbench-")
     os.makedirs(out, exist_ok=True)
-    reason = "--loopback given" if args.loopback else netns_unavailable_reason()
-    if reason is not None:
-        print(f"WARNING: no network emulation ({reason}); running on loopback WITHOUT any rate limit.", flush=True)
-        profiles = [parse_profile("unlimited")]
-    else:
-        stale = cleanup_stale()
-        if stale:
-            print(f"removed leftovers of earlier runs: {' '.join(stale)}")
-    command = "python -m benchmarks.network.run " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    profiles, reason = harness.emulation(args.loopback, profiles)
     results: dict[str, Any] = {
-        "emulated": reason is None,
-        "loopback_reason": reason,
-        "command": command,
-        "machine": machine_description(),
-        "model": args.model,
-        "world_size": args.world_size,
-        "batch_size": args.batch_size,
-        "block_size": args.block_size,
-        "steps": args.steps,
+        **harness.results_header("benchmarks.network.run", argv, args, reason),
         "warmup": args.warmup,
         "methods": methods,
         "profiles": [],
     }
-    with signals_raise():
-        for prof in profiles:
-            label = prof.name if reason is None else "loopback"
-            prof_dir = os.path.join(out, label)
-            net: Network = (
-                EmulatedNetwork(args.world_size, prof) if reason is None else LoopbackNetwork(args.world_size, reason)
-            )
-            print(f"== {label}: {args.world_size} ranks, {len(methods)} methods, {args.steps} steps", flush=True)
-            t0 = time.time()
-            with net:
-                tput = measure_throughput(net)
-                if tput:
-                    print(f"   measured TCP goodput rank 0 -> 1: {tput / 1e6:.0f} Mbit/s", flush=True)
-                raw = run_profile(net, args, methods, prof_dir)
-            tokens = args.batch_size * args.block_size
-            summary = summarize(raw["ranks"], methods, args.warmup, tokens, reason is None)
-            summary["qdisc"] = raw["qdisc"]
-            results["params"] = raw["ranks"][0]["params"]
-            results["profiles"].append(
-                {
-                    "profile": label,
-                    "rate_mbit": prof.rate_mbit,
-                    "latency_ms": prof.latency_ms,
-                    "throughput_bps": tput,
-                    "wall_s": time.time() - t0,
-                    "summary": summary,
-                    "ratios": _ratios(summary),
-                }
-            )
-            print(markdown_table(summary, reason is None), flush=True)
-            print(f"   ({time.time() - t0:.0f} s)", flush=True)
-            # Written after every profile, so that an interrupted multi-profile run keeps what it measured.
-            results["machine"]["loadavg_end"] = os.getloadavg()
-            write_outputs(results, out)
+    tokens = args.batch_size * args.block_size
+
+    def show(prof: dict[str, Any]) -> None:
+        prof["ratios"] = _ratios(prof["summary"])
+        print(markdown_table(prof["summary"], reason is None), flush=True)
+
+    harness.measure_profiles(
+        results,
+        profiles,
+        out,
+        announce=f"{args.world_size} ranks, {len(methods)} methods, {args.steps} steps",
+        spec_for=lambda h, prof_dir: WorkerSpec.for_host(args, methods, prof_dir, h.ifname, warmup=args.warmup),
+        timeout_s=args.timeout_s,
+        summarize=lambda ranks: summarize(ranks, methods, args.warmup, tokens, reason is None),
+        show=show,
+        write=lambda r: write_outputs(r, out),
+    )
     print(f"wrote {out}/results.md, results.csv, results.json and plots")
     return results
 

@@ -4,10 +4,10 @@
     .venv/bin/python -m benchmarks.network.time_to_loss --report out/ttl_w2_small_* --out out/ttl_report
     .venv/bin/python -m benchmarks.network.time_to_loss --loopback --model tiny --steps 6 --eval-every 2   # no root
 
-The machinery of ``benchmarks.network.run`` (hosts in network namespaces behind token-bucket-limited veths,
-``netns.py``; every method in the same W processes, one optimizer step each per round in rotating order,
-barrier between, ``worker.py``), with training long enough for the loss to flatten: every method trains the
-same model from the same initial weights on the same batches for ``--steps`` steps (SCAPE for
+The machinery of ``benchmarks.network.run`` (``harness.py``: hosts in network namespaces behind
+token-bucket-limited veths, ``netns.py``; every method in the same W processes, one optimizer step each per
+round in rotating order, barrier between, ``worker.py``), with training long enough for the loss to flatten:
+every method trains the same model from the same initial weights on the same batches for ``--steps`` steps (SCAPE for
 ``--scape-steps``; the sized budget gives it twice as many: it spends the time its cheaper steps save on more
 of them, as a user on a slow network would), each under the quality benchmark's cosine learning rate over its
 own budget (peak 1.5e-3, 20 ramp steps, 0 at the last step), 8 x 128 tokens per rank and step, and is evaluated
@@ -30,34 +30,32 @@ validation loss against wall-clock and against step. ``results.md``, ``results.c
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import math
 import os
-import shlex
 import statistics
-import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.network.netns import (
-    PROFILES,
-    EmulatedNetwork,
-    Host,
-    LoopbackNetwork,
-    Network,
-    cleanup_stale,
-    measure_throughput,
-    netns_unavailable_reason,
-    parse_profile,
-    signals_raise,
-)
-from benchmarks.network.run import launch_workers, machine_description
+from benchmarks.network import harness
+from benchmarks.network.netns import PROFILES, Host
 from benchmarks.network.worker import METHOD_LABELS, TTL_METHODS, TTL_SCAPE_METHODS, WorkerSpec, ttl_scape_config
+from benchmarks.reporting import (
+    cumsum,
+    fmt,
+    goodput_cell,
+    machine_line,
+    mean,
+    method_style,
+    network_column,
+    network_mode,
+    pyplot,
+    write_csv,
+    write_json,
+)
 from lightning_scape import ScapeConfig
 from lightning_scape.examples.workloads import MODEL_PRESETS
 
@@ -197,21 +195,9 @@ def _check(points: Sequence[CurvePoint]) -> None:
             raise ValueError(f"evaluations out of order: step {a.step} at {a.time_s} s, then {b.step} at {b.time_s} s.")
 
 
-def _cumsum(values: Sequence[float]) -> list[float]:
-    out, t = [], 0.0
-    for v in values:
-        t += v
-        out.append(t)
-    return out
-
-
 def _at(cum: Sequence[float], step: int) -> float:
     """Cumulative value after ``step`` steps (0 before the first)."""
     return cum[step - 1] if step > 0 else 0.0
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
 
 
 # ------------------------------------------------------------------------------------------- the summary
@@ -230,9 +216,9 @@ def method_curve(recs: Sequence[dict[str, Any]], emulated: bool) -> dict[str, An
     """
     steps = len(recs[0]["step_s"])
     step_s = [max(r["step_s"][i] for r in recs) for i in range(steps)]
-    cum_t = _cumsum(step_s)
-    cum_sent = _cumsum([_mean([float(r["sent"][i]) for r in recs]) for i in range(steps)])
-    cum_tx = _cumsum([_mean([float(r["tx"][i]) for r in recs]) for i in range(steps)])
+    cum_t = cumsum(step_s)
+    cum_sent = cumsum([mean([float(r["sent"][i]) for r in recs]) for i in range(steps)])
+    cum_tx = cumsum([mean([float(r["tx"][i]) for r in recs]) for i in range(steps)])
     if not emulated:
         cum_tx = [math.nan] * steps
     # Every rank holds the same validation loss (one all-reduce of the per-batch losses); rank 0's is used.
@@ -243,7 +229,7 @@ def method_curve(recs: Sequence[dict[str, Any]], emulated: bool) -> dict[str, An
     return {
         "step_s": step_s,
         "cum_time_s": cum_t,
-        "train_loss": [_mean([r["loss"][i] for r in recs]) for i in range(steps)],
+        "train_loss": [mean([r["loss"][i] for r in recs]) for i in range(steps)],
         "points": points,
         "sent_bytes": cum_sent[-1] if steps else 0.0,
         "tx_bytes": cum_tx[-1] if steps else math.nan,
@@ -293,7 +279,7 @@ def summarize_ttl(ranks: list[dict[str, Any]], methods: list[str], emulated: boo
             "step_ms_median_second_half": 1e3 * statistics.median(half),
             "final_val_loss": pts[-1].loss,
             "min_val_loss": min(q.loss for q in pts),
-            "final_train_loss": _mean(c["train_loss"][-10:]),
+            "final_train_loss": mean(c["train_loss"][-10:]),
             "sent_bytes_run": c["sent_bytes"],
             "tx_bytes_run": c["tx_bytes"],
             "eval_s": c["eval_s"],
@@ -331,10 +317,10 @@ def summarize_ttl(ranks: list[dict[str, Any]], methods: list[str], emulated: boo
     return {
         "per_method": per,
         # Rank 0's whole rounds and evaluations (barriers included), for sizing budgets: see sizing_line.
-        "round_s_mean": _mean(rounds),
+        "round_s_mean": mean(rounds),
         "round_s_median": statistics.median(rounds) if rounds else math.nan,
         # The evaluation before the first step is one method's (they share their weights): not a full one.
-        "eval_round_s_mean": _mean(evals[1:] or evals),
+        "eval_round_s_mean": mean(evals[1:] or evals),
         "evaluations": len(evals),
         "setup_s": r0.get("setup_s", math.nan),
         "targets": {str(f): t for f, t in targets.items()},
@@ -353,14 +339,8 @@ def _tkey(factor: float) -> str:
 # ----------------------------------------------------------------------------------------------- the tables
 
 
-def _fmt(v: Any, spec: str = ".1f") -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    return format(v, spec)
-
-
 def _mb(v: float) -> str:
-    return _fmt(v / 1e6, ".1f") if not math.isnan(v) else "n/a"
+    return fmt(v / 1e6, ".1f") if not math.isnan(v) else "n/a"
 
 
 def _secs(v: float) -> str:
@@ -376,7 +356,7 @@ def _time_cell(p: dict[str, Any], f: float, short: bool = False) -> str:
     if not p[f"{key}_reached"]:
         gap = p["min_val_loss"] / p[f"{key}_target"] - 1
         return f"not reached ({gap:+.1%})" if short else f"not reached (best {p['min_val_loss']:.4f}, {gap:+.2%})"
-    return f"{_secs(p[f'{key}_time_s'])} s ({_fmt(p[f'{key}_time_vs_ddp'], '.2f')}x)"
+    return f"{_secs(p[f'{key}_time_s'])} s ({fmt(p[f'{key}_time_vs_ddp'], '.2f')}x)"
 
 
 def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
@@ -390,7 +370,7 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
     md = [
         f"## {prof['profile']}: W = {prof['world_size']}, `{prof['model']}` model",
         "",
-        f"{rate}; measured TCP goodput rank 0 -> 1: {_fmt(tput / 1e6 if tput else math.nan, '.0f')} Mbit/s. "
+        f"{rate}; measured TCP goodput rank 0 -> 1: {goodput_cell(tput)} Mbit/s. "
         f"{_budget(prof)} of W x {prof['batch_size']} x {prof['block_size']} tokens, validation every "
         f"{prof['eval_every']} steps, seed {prof.get('seed', 0)}; profile wall-clock {prof['wall_s'] / 60:.1f} min "
         "(evaluations included).",
@@ -406,14 +386,14 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in per.values():
-        cells = [p["label"], _fmt(p["final_val_loss"], ".4f"), _secs(p["total_s"])]
+        cells = [p["label"], fmt(p["final_val_loss"], ".4f"), _secs(p["total_s"])]
         for f in TARGET_FACTORS:
             key = _tkey(f)
             cells += [
                 _time_cell(p, f),
-                _fmt(p[f"{key}_steps"], ".0f"),
-                _fmt(p[f"{key}_steps_vs_ddp"], ".2f"),
-                _fmt(p[f"{key}_step_time_vs_ddp"], ".2f"),
+                fmt(p[f"{key}_steps"], ".0f"),
+                fmt(p[f"{key}_steps_vs_ddp"], ".2f"),
+                fmt(p[f"{key}_step_time_vs_ddp"], ".2f"),
             ]
         md.append("| " + " | ".join(cells) + " |")
     kern = "kernel" if emulated else "kernel: n/a on loopback"
@@ -429,7 +409,7 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
     for p in per.values():
 
         def loss_cell(tag: str, p: dict[str, Any] = p) -> str:
-            return _fmt(p[f"loss_{tag}"], ".4f") + ("*" if p[f"finished_before_{tag}"] else "")
+            return fmt(p[f"loss_{tag}"], ".4f") + ("*" if p[f"finished_before_{tag}"] else "")
 
         def bytes_cell(prefix: str, p: dict[str, Any] = p) -> str:
             return f"{_mb(p[f'{prefix}sent_bytes'])} / {_mb(p[f'{prefix}tx_bytes'])}"
@@ -438,7 +418,7 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
             f"| {p['label']} | {loss_cell('at_ddp_time')} | {loss_cell('at_fastest_time')} "
             f"| {bytes_cell('to_1.00_')} | {bytes_cell('to_1.05_')} "
             f"| {_mb(p['sent_bytes_run'])} / {_mb(p['tx_bytes_run'])} "
-            f"| {_fmt(p['step_ms_median'], '.0f')} / {_fmt(p['step_ms_median_second_half'], '.0f')} |"
+            f"| {fmt(p['step_ms_median'], '.0f')} / {fmt(p['step_ms_median_second_half'], '.0f')} |"
         )
     md += ["", sizing_line(prof), "", *scape_config_lines(per), ""]
     return md
@@ -463,8 +443,8 @@ def sizing_line(prof: dict[str, Any]) -> str:
     fit = (3600.0 - (setup if not math.isnan(setup) else 0.0)) / (rnd + evals_per_step * ev)
     return (
         f"Sizing: a round (one step of every method still training, barriers included) took {rnd:.2f} s on average "
-        f"(median {s['round_s_median']:.2f} s), an evaluation of the methods due {_fmt(ev, '.1f')} s ({n_ev} of them), "
-        f"the workers' set-up {_fmt(setup, '.0f')} s: at this pace an hour holds about {fit:.0f} steps with "
+        f"(median {s['round_s_median']:.2f} s), an evaluation of the methods due {fmt(ev, '.1f')} s ({n_ev} of them), "
+        f"the workers' set-up {fmt(setup, '.0f')} s: at this pace an hour holds about {fit:.0f} steps with "
         f"validation as often."
     )
 
@@ -527,15 +507,6 @@ def headline_table(runs: Sequence[dict[str, Any]]) -> list[str]:
     return md
 
 
-def machine_line(r: dict[str, Any]) -> str:
-    """The machine as ``results.md`` names it."""
-    m = r["machine"]
-    return (
-        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, kernel {m['kernel']}, Python {m['python']}, "
-        f"torch {m['torch']}; load average at start {tuple(round(x, 2) for x in m['loadavg_start'])}"
-    )
-
-
 def write_report(runs: Sequence[dict[str, Any]], out: str, merged: bool = False) -> None:
     """``results.md``, ``headline.md``, ``results.csv``, ``curves.csv`` and the plots of one or more runs.
 
@@ -546,13 +517,8 @@ def write_report(runs: Sequence[dict[str, Any]], out: str, merged: bool = False)
     """
     md = ["# Time to DDP + AdamW's validation loss", ""]
     for r in runs:
-        mode = (
-            "emulated network (namespaces, veth, bridge, tc tbf)"
-            if r["emulated"]
-            else f"LOOPBACK, NO RATE LIMIT ({r['loopback_reason']}): not a network measurement"
-        )
         md += [
-            f"Network: **{mode}**. Command: `{r['command']}`",
+            f"Network: **{network_mode(r)}**. Command: `{r['command']}`",
             f"Machine: {machine_line(r)}.",
             f"Model: litgpt GPT preset `{r['model']}` ({r['params'] / 1e6:.2f}M parameters), W = {r['world_size']}, "
             f"{r['batch_size']} x {r['block_size']} tokens per rank per step, {r['steps']} steps, cosine LR peak "
@@ -573,7 +539,7 @@ def write_report(runs: Sequence[dict[str, Any]], out: str, merged: bool = False)
         for prof in r["profiles"]:
             for p in prof["summary"]["per_method"].values():
                 base = {
-                    "network": "emulated" if r["emulated"] else "loopback-unlimited",
+                    "network": network_column(r["emulated"]),
                     "profile": prof["profile"],
                     "rate_mbit": prof["rate_mbit"],
                     "world_size": r["world_size"],
@@ -588,13 +554,7 @@ def write_report(runs: Sequence[dict[str, Any]], out: str, merged: bool = False)
                 for q in p["points"]:
                     curve_rows.append({**base, "method": p["method"], **q})
     for name, data in (("results.csv", rows), ("curves.csv", curve_rows)):
-        keys: list[str] = []
-        for row in data:
-            keys += [k for k in row if k not in keys]
-        with open(os.path.join(out, name), "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=keys)
-            w.writeheader()
-            w.writerows(data)
+        write_csv(os.path.join(out, name), data)
     plot(runs, out, merged)
 
 
@@ -616,7 +576,7 @@ def headline_markdown(runs: Sequence[dict[str, Any]]) -> list[str]:
         "",
         *headline_table(runs),
         "",
-        # Inline code, not a ```bash block: README.md holds exactly two of those (tests/test_readme.py).
+        # Inline code, not a ```bash block: the README's bash blocks are its set-up commands (tests/test_readme.py).
         "Commands (as root, one per row's profile):",
         "",
         *[f"- `{r['command']}`" for r in runs],
@@ -626,22 +586,10 @@ def headline_markdown(runs: Sequence[dict[str, Any]]) -> list[str]:
     return md
 
 
-def _style(method: str) -> dict[str, Any]:
-    import matplotlib
-
-    i = TTL_METHODS.index(method) if method in TTL_METHODS else len(TTL_METHODS)
-    return {"color": matplotlib.colormaps["tab10"](i % 10), "linestyle": "--" if method.startswith("ddp") else "-"}
-
-
 def plot(runs: Sequence[dict[str, Any]], out: str, merged: bool = False) -> None:
     """Per profile: validation loss against wall-clock and against step, with the two target lines."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install matplotlib).")
+    plt = pyplot()
+    if plt is None:
         return
     for r in runs:
         tag = "" if r["emulated"] else " [LOOPBACK, no rate limit]"
@@ -654,7 +602,13 @@ def plot(runs: Sequence[dict[str, Any]], out: str, merged: bool = False) -> None
                 for p in s["per_method"].values():
                     pts = p["points"]
                     x = [q["time_s"] if kind == "time" else q["step"] for q in pts]
-                    ax.plot(x, [q["loss"] for q in pts], marker=".", label=p["label"], **_style(p["method"]))
+                    ax.plot(
+                        x,
+                        [q["loss"] for q in pts],
+                        marker=".",
+                        label=p["label"],
+                        **method_style(p["method"], TTL_METHODS),
+                    )
                 for f, ls in zip(TARGET_FACTORS, (":", "-."), strict=True):
                     ax.axhline(s["targets"][str(f)], color="grey", linestyle=ls, linewidth=0.8, label=f"{f:g} L*")
                 ax.set_xlabel(xlabel)
@@ -804,17 +758,8 @@ def warn_about_budget(steps: int, methods: list[str], overrides: dict[str, Any],
 
 def resummarize(out: str) -> dict[str, Any]:
     """Rebuild every output of ``out`` from its per-rank records (after a change to the statistics)."""
-    with open(os.path.join(out, "results.json")) as fh:
-        results: dict[str, Any] = json.load(fh)
-    for prof in results["profiles"]:
-        ranks = []
-        for rk in range(results["world_size"]):
-            with open(os.path.join(out, prof["profile"], f"rank{rk}.json")) as fh:
-                ranks.append(json.load(fh))
-        qdisc = prof["summary"].get("qdisc")
-        prof["summary"] = summarize_ttl(ranks, results["methods"], results["emulated"])
-        prof["summary"]["qdisc"] = qdisc
-    _write_json(results, out)
+    results = harness.resummarize(out, lambda ranks, r: summarize_ttl(ranks, r["methods"], r["emulated"]))
+    write_json(results, out)
     write_report([results], out)
     return results
 
@@ -837,11 +782,6 @@ def report(run_dirs: list[str], out: str) -> list[dict[str, Any]]:
     return runs
 
 
-def _write_json(results: dict[str, Any], out: str) -> None:
-    with open(os.path.join(out, "results.json"), "w") as fh:
-        json.dump(results, fh, indent=1, default=str)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the time-to-loss benchmark; returns everything written to ``results.json``."""
     args = parse_args(argv)
@@ -855,34 +795,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"rewrote {args.resummarize}/results.md, headline.md, CSVs, results.json and plots")
         return rebuilt
     methods = select_methods(args.methods)
-    names = list(PROFILES) if args.profile == "all" else [p for p in args.profile.split(",") if p]
-    profiles = [parse_profile(n) for n in names]
+    profiles = harness.select_profiles(args.profile)
     out = args.out or tempfile.mkdtemp(prefix="ttl-")
     os.makedirs(out, exist_ok=True)
     for w in warn_about_budget(args.scape_steps, methods, args.scape_overrides, args.chunk_size):
         print(w, flush=True)
-    reason = "--loopback given" if args.loopback else netns_unavailable_reason()
-    if reason is not None:
-        print(f"WARNING: no network emulation ({reason}); running on loopback WITHOUT any rate limit.", flush=True)
-        profiles = [parse_profile("unlimited")]
-    else:
-        stale = cleanup_stale()
-        if stale:
-            print(f"removed leftovers of earlier runs: {' '.join(stale)}")
-    command = "python -m benchmarks.network.time_to_loss " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
-    )
+    profiles, reason = harness.emulation(args.loopback, profiles)
     results: dict[str, Any] = {
         "mode": "time_to_loss",
-        "emulated": reason is None,
-        "loopback_reason": reason,
-        "command": command,
-        "machine": machine_description(),
-        "model": args.model,
-        "world_size": args.world_size,
-        "batch_size": args.batch_size,
-        "block_size": args.block_size,
-        "steps": args.steps,
+        **harness.results_header("benchmarks.network.time_to_loss", argv, args, reason),
         "scape_steps": args.scape_steps,
         "eval_every": args.eval_every,
         "eval_batches": args.eval_batches,
@@ -896,68 +817,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "methods": methods,
         "profiles": [],
     }
-    with signals_raise():
-        for prof in profiles:
-            label = prof.name if reason is None else "loopback"
-            prof_dir = os.path.join(out, label)
-            net: Network = (
-                EmulatedNetwork(args.world_size, prof) if reason is None else LoopbackNetwork(args.world_size, reason)
-            )
-            print(
-                f"== {label}: {args.world_size} ranks, {len(methods)} methods, {args.steps} steps "
-                f"(SCAPE {args.scape_steps}), "
-                f"validation every {args.eval_every}",
-                flush=True,
-            )
-            t0 = time.time()
 
-            def spec_for(h: Host, prof_dir: str = prof_dir) -> WorkerSpec:
-                return WorkerSpec(
-                    methods=methods,
-                    steps=args.steps,
-                    warmup=args.lr_warmup,
-                    model=args.model,
-                    batch_size=args.batch_size,
-                    block_size=args.block_size,
-                    lr=args.lr,
-                    chunk_size=args.chunk_size,
-                    max_bytes=args.max_bytes,
-                    out_dir=prof_dir,
-                    ifname=h.ifname,
-                    timeout_s=min(args.timeout_s, 1800.0),
-                    schedule="cosine",
-                    eval_every=args.eval_every,
-                    eval_batches=args.eval_batches,
-                    corpus=args.corpus,
-                    seed=args.seed,
-                    scape_overrides=args.scape_overrides,
-                    method_steps={m: args.scape_steps for m in methods if m in TTL_SCAPE_METHODS},
-                )
+    def spec_for(h: Host, prof_dir: str) -> WorkerSpec:
+        return WorkerSpec.for_host(
+            args,
+            methods,
+            prof_dir,
+            h.ifname,
+            warmup=args.lr_warmup,
+            timeout_s=min(args.timeout_s, 1800.0),
+            schedule="cosine",
+            eval_every=args.eval_every,
+            eval_batches=args.eval_batches,
+            corpus=args.corpus,
+            seed=args.seed,
+            scape_overrides=args.scape_overrides,
+            method_steps={m: args.scape_steps for m in methods if m in TTL_SCAPE_METHODS},
+        )
 
-            with net:
-                tput = measure_throughput(net)
-                if tput:
-                    print(f"   measured TCP goodput rank 0 -> 1: {tput / 1e6:.0f} Mbit/s", flush=True)
-                raw = launch_workers(net, spec_for, prof_dir, args.timeout_s)
-            summary = summarize_ttl(raw["ranks"], methods, reason is None)
-            summary["qdisc"] = raw["qdisc"]
-            results["params"] = raw["ranks"][0]["params"]
-            results["profiles"].append(
-                {
-                    "profile": label,
-                    "rate_mbit": prof.rate_mbit,
-                    "latency_ms": prof.latency_ms,
-                    "throughput_bps": tput,
-                    "wall_s": time.time() - t0,
-                    "summary": summary,
-                }
-            )
-            print("\n".join(profile_tables({**results["profiles"][-1], **_run_facts(results)}, reason is None)))
-            print(f"   ({time.time() - t0:.0f} s)", flush=True)
-            # Written after every profile, so that an interrupted multi-profile run keeps what it measured.
-            results["machine"]["loadavg_end"] = os.getloadavg()
-            _write_json(results, out)
-            write_report([results], out)
+    def write(r: dict[str, Any]) -> None:
+        write_json(r, out)
+        write_report([r], out)
+
+    harness.measure_profiles(
+        results,
+        profiles,
+        out,
+        announce=f"{args.world_size} ranks, {len(methods)} methods, {args.steps} steps (SCAPE {args.scape_steps}), "
+        f"validation every {args.eval_every}",
+        spec_for=spec_for,
+        timeout_s=args.timeout_s,
+        summarize=lambda ranks: summarize_ttl(ranks, methods, reason is None),
+        show=lambda prof: print("\n".join(profile_tables({**prof, **_run_facts(results)}, reason is None))),
+        write=write,
+    )
     print(f"wrote {out}/results.md, headline.md, results.csv, curves.csv, results.json and plots")
     return results
 

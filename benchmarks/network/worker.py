@@ -23,6 +23,7 @@ barrier that follows it); and the time from the last gradient being ready to the
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -41,7 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_scape import AdamS, ProcessGroupCommunicator, ScapeConfig, ScapeEngine
-from lightning_scape.comm import KIND_DENSE, ByteCounters
+from lightning_scape.comm import ByteCounters, Traffic, all_reduce_bytes
 from lightning_scape.examples.workloads import (
     build_model,
     corpus_tokens,
@@ -109,7 +110,7 @@ BUCKET_CAP_MB = 25.0
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What every rank runs (written to JSON by ``run.py``)."""
+    """What every rank runs (written to JSON by ``harness.launch_workers``)."""
 
     methods: list[str]
     steps: int
@@ -134,6 +135,32 @@ class WorkerSpec:
     # with cheaper steps may take more of them in the same wall-clock, as a user on a slow network would.
     method_steps: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def for_host(
+        cls, args: argparse.Namespace, methods: list[str], out_dir: str, ifname: str, **fields: Any
+    ) -> WorkerSpec:
+        """One rank's spec from a benchmark's command line (``run`` or ``time_to_loss``).
+
+        Args:
+            args: The parsed command line: its ``steps``, ``model``, ``batch_size``, ``block_size``, ``lr``,
+                ``chunk_size``, ``max_bytes`` and ``timeout_s`` are taken as they are.
+            methods: The methods to train.
+            out_dir: The profile's folder.
+            ifname: The rank's network interface.
+            **fields: Every other field (``warmup`` at least), and any of the above set otherwise.
+        """
+        shared = {
+            "steps": args.steps,
+            "model": args.model,
+            "batch_size": args.batch_size,
+            "block_size": args.block_size,
+            "lr": args.lr,
+            "chunk_size": args.chunk_size,
+            "max_bytes": args.max_bytes,
+            "timeout_s": args.timeout_s,
+        }
+        return cls(**{"methods": methods, **shared, "out_dir": out_dir, "ifname": ifname, **fields})
+
     def steps_of(self, method: str) -> int:
         """The step budget of ``method``: its entry of ``method_steps``, else ``steps``."""
         return self.method_steps.get(method, self.steps)
@@ -150,7 +177,7 @@ class MethodRecord:
     opt_s: list[float] = field(default_factory=list)
     wait_s: list[float] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)
-    sent_by_kind: list[dict[str, int]] = field(default_factory=list)
+    sent_by_kind: list[dict[Traffic, int]] = field(default_factory=list)
     tx: list[int] = field(default_factory=list)
     rx: list[int] = field(default_factory=list)
     val_step: list[int] = field(default_factory=list)  # steps done when evaluated (0: before the first)
@@ -208,7 +235,7 @@ class _AllReduceCounter:
 
     def __call__(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
         if self.active is not None:
-            self.active.count_all_reduce(KIND_DENSE, tensor.numel(), tensor.element_size())
+            self.active.add("dense", all_reduce_bytes(tensor.numel(), tensor.element_size(), self.active.world_size))
         return self._orig(tensor, *args, **kwargs)
 
 

@@ -579,6 +579,35 @@ def _rewrite_data_path(argv: list[str]) -> list[str]:
     return out
 
 
+def shipped_recipes() -> dict[str, Path]:
+    """The recipes installed with the package (the repository's ``recipes/``), by name (``debug``, ...)."""
+    folder = Path(__file__).resolve().parent.parent / "recipes"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def _resolve_recipe_name(argv: list[str]) -> list[str]:
+    """``--config NAME`` (no such file, and no path separator) names a shipped recipe: ``--config debug``."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == "--config" and i + 1 < len(out):
+            at, value = i + 1, out[i + 1]
+        elif arg.startswith("--config="):
+            at, value = i, arg.split("=", 1)[1]
+        else:
+            continue
+        if os.path.exists(value) or os.sep in value:
+            continue
+        recipes = shipped_recipes()
+        name = value.removesuffix(".yaml")
+        if name not in recipes:
+            raise RecipeError(
+                f"--config {value}: no such file, and not a recipe shipped with lightning-scape "
+                f"({', '.join(recipes)}). Pass a recipe's path or one of these names."
+            )
+        out[at] = str(recipes[name]) if at == i + 1 else f"--config={recipes[name]}"
+    return out
+
+
 def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Parse the command line.
 
@@ -589,7 +618,7 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     import yaml
 
     parser = build_parser()
-    cfg = parser.parse_args(_rewrite_data_path(argv))
+    cfg = parser.parse_args(_rewrite_data_path(_resolve_recipe_name(argv)))
     init = parser.instantiate_classes(cfg)
     hyperparameters = yaml.safe_load(parser.dump(cfg, format="yaml", skip_none=False))
     kwargs = {k: v for k, v in vars(init).items() if k != "config"}
@@ -598,7 +627,10 @@ def parse(argv: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def run_pretrain(argv: list[str]) -> int:
-    """``lightning-scape pretrain --config recipes/NAME.yaml [--train.max_tokens 1000000 ...]``."""
+    """``lightning-scape pretrain --config NAME [--train.max_tokens 1000000 ...]``.
+
+    ``NAME`` is a recipe's path, or the name of a recipe shipped with the package (``debug``, ``pythia-14m``, ...).
+    """
     from jsonargparse import ArgumentError
 
     if any(a in ("-h", "--help") for a in argv):
@@ -606,7 +638,7 @@ def run_pretrain(argv: list[str]) -> int:
         return 0
     try:
         _, kwargs = parse(argv)
-    except (ArgumentError, ValueError, TypeError) as exc:
+    except (ArgumentError, ValueError, TypeError) as exc:  # RecipeError is a ValueError
         print(f"lightning-scape pretrain: {exc}", file=sys.stderr)
         return 2
     try:
