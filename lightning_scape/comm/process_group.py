@@ -68,8 +68,8 @@ class ProcessGroupCommunicator:
         """Async reduce-scatter (sum).
 
         On gloo it is an all-to-all plus a local sum in rank order: gloo's own reduce-scatter puts as many
-        bytes on the wire as an all-reduce (measured in network namespaces: 4.20 MB for 1M fp32 values at
-        W = 2, against 2.10 MB for the all-to-all), twice what the ring formula charges.
+        bytes on the wire as an all-reduce, twice what the ring formula charges (``docs/algorithm.md``
+        section 5).
         """
         name = f"reduce_scatter({input.numel()} x {input.dtype})"
         if self._gloo:

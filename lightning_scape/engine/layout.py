@@ -15,11 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The padding a model may carry, as a fraction of its parameter bytes. The dense warm-up reduce-scatters and
-# all-gathers whole buckets, padding included, so this bounds its bytes at 1.05x DDP's. At the default
-# chunk_size (4096) real models stay far below it (the demo's 0.86M-parameter model: 1.3% at W = 2, and
-# unchanged); a 4.3K-parameter model would be padded to 8,192 parameters at W = 2 (3.8x DDP's bytes with
-# weights and biases in two buckets) and gets smaller chunks instead.
+# The padding a model may carry, as a fraction of its parameter bytes. The dense steps reduce-scatter and
+# all-gather whole buckets, padding included, so this bounds their bytes at 1.05x DDP's. Real models at the
+# default chunk_size stay far below it; tiny ones get smaller chunks instead (docs/algorithm.md, "Small models").
 MAX_PADDING_FRACTION = 0.05
 
 
@@ -164,12 +162,8 @@ def fit_chunk_sizes(buckets: list[Bucket], max_padding: float = MAX_PADDING_FRAC
     same layout.
 
     Why not the largest power of two that keeps the padding within bounds: it makes the chunks of a tiny
-    model tiny (32 coordinates for 2,177 parameters at W = 2), each chunk must then send its one slot
-    whether or not it holds anything large, and the sparse phase trains much worse. Measured on a
-    2,177-parameter MLP, W = 2, 400 steps of AdamS at lr 1e-2 after 100 dense steps, mean loss of the
-    last 50: dense 0.231, power-of-two chunks 3.83 (diverging), chunks sized to the bucket 1.49, the
-    padded layout 0.41 (its 41 slots all fell on rank 0's real coordinates: 1.9% instead of 1%). On a
-    12,545-parameter MLP: dense 0.42, power-of-two 5.4, sized to the bucket 0.78, padded 0.67.
+    model tiny, each chunk must then send its one slot whether or not it holds anything large, and the
+    sparse phase trains much worse (measured in ``docs/algorithm.md``, "Small models").
 
     Args:
         buckets: The buckets, each with its ``world_size``, ``numel`` and configured ``chunk_size`` set;
