@@ -15,6 +15,8 @@ import os
 import torch
 from torch import Tensor
 
+from ._positions import MAX_CHUNK_SIZE
+
 try:
     import triton
     import triton.language as tl
@@ -35,6 +37,7 @@ LOW_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _env_on(name: str) -> bool:
+    """Whether the environment variable ``name`` is ``"1"`` (read at every call, so tests can flip it)."""
     return os.environ.get(name, "0") == "1"
 
 
@@ -65,6 +68,11 @@ def use_triton(*tensors: Tensor) -> bool:
 def is_pow2(n: int) -> bool:
     """Whether ``n`` is a positive power of two (``tl.arange`` needs one)."""
     return n > 0 and (n & (n - 1)) == 0
+
+
+def chunk_ok(chunk_size: int) -> bool:
+    """Whether the chunked kernels take ``chunk_size``: a power of two (``tl.arange``) <= ``MAX_CHUNK_SIZE``."""
+    return is_pow2(chunk_size) and chunk_size <= MAX_CHUNK_SIZE
 
 
 if HAS_TRITON:

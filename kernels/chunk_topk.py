@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from ._positions import MAX_CHUNK_SIZE
-from ._triton import HAS_TRITON, require_triton, tl, triton
+from ._signature import signature_of
+from ._triton import HAS_TRITON, chunk_ok, require_triton, tl, triton, use_triton
 
 # Codes of the score a selection kernel computes from its inputs.
 _STAT_SCORES = 0  # the input is already the score
@@ -44,6 +45,8 @@ def mask_scores_ref(momentum: Tensor, residual: Tensor, beta1: float, statistic:
 
 def chunk_topk_ref(scores: Tensor, chunk_size: int, k: int, k_explore: int, explore_offset: int) -> Tensor:
     """Pure-PyTorch reference (and CPU path).
+
+    The op's signature is this one: its launcher and entry point are declared with it (``_signature.py``).
 
     Args:
         scores: ``[rows * chunk_size]`` float scores (NaN counts as the lowest score).
@@ -77,6 +80,18 @@ def chunk_topk_ref(scores: Tensor, chunk_size: int, k: int, k_explore: int, expl
     return take.nonzero()[:, 1].reshape(-1, k).to(torch.int16)
 
 
+@signature_of(chunk_topk_ref)
+def chunk_topk(scores: Tensor, chunk_size: int, k: int, k_explore: int, explore_offset: int) -> Tensor:
+    """Per-chunk top-k with exploration: the entry point (see :func:`chunk_topk_ref` for the arguments).
+
+    Runs :func:`chunk_topk_triton` where :func:`~._triton.use_triton` allows it and the kernel takes the
+    chunk size and dtype, :func:`chunk_topk_ref` otherwise; both return the same indices.
+    """
+    if use_triton(scores) and chunk_ok(chunk_size) and scores.is_floating_point():
+        return chunk_topk_triton(scores, chunk_size, k, k_explore, explore_offset)
+    return chunk_topk_ref(scores, chunk_size, k, k_explore, explore_offset)
+
+
 def select_mask_ref(
     momentum: Tensor,
     residual: Tensor,
@@ -88,6 +103,8 @@ def select_mask_ref(
     explore_offset: int,
 ) -> Tensor:
     """Pure-PyTorch reference (and CPU path) of the fused op: score the shard, then pick its mask.
+
+    The op's signature is this one: its launcher and entry point are declared with it (``_signature.py``).
 
     Args:
         momentum: ``[rows * chunk_size]`` first moment m of the shard (ignored for ``"gradient"``).
@@ -105,6 +122,35 @@ def select_mask_ref(
     """
     scores = mask_scores_ref(momentum, residual, beta1, statistic)
     return chunk_topk_ref(scores, chunk_size, k, k_explore, explore_offset)
+
+
+@signature_of(select_mask_ref)
+def select_mask(
+    momentum: Tensor,
+    residual: Tensor,
+    beta1: float,
+    statistic: str,
+    chunk_size: int,
+    k: int,
+    k_explore: int,
+    explore_offset: int,
+) -> Tensor:
+    """Score and select in one op: the entry point (see :func:`select_mask_ref` for the arguments).
+
+    Runs the fused :func:`select_mask_triton` where :func:`~._triton.use_triton` allows it, the kernel
+    takes the chunk size and the state is fp32, :func:`select_mask_ref` otherwise: fp64 state runs the
+    ref (the score's ``b1`` would be rounded to fp32 in the kernel).
+    """
+    # "gradient" never reads the momentum, so only the tensors the statistic reads need to fit the kernel.
+    inputs = (momentum, residual) if statistic == "momentum" else (residual,)
+    if (
+        use_triton(*inputs)
+        and chunk_ok(chunk_size)
+        and all(t.dtype == torch.float32 for t in inputs)
+        and statistic in ("momentum", "gradient")
+    ):
+        return select_mask_triton(momentum, residual, beta1, statistic, chunk_size, k, k_explore, explore_offset)
+    return select_mask_ref(momentum, residual, beta1, statistic, chunk_size, k, k_explore, explore_offset)
 
 
 if HAS_TRITON:
@@ -175,9 +221,24 @@ def _launch_select(
     k_explore: int,
     explore_offset: int,
 ) -> Tensor:
+    """Validate the shapes and launch :func:`_select_kernel`: the one launch of both selection launchers.
+
+    Args:
+        a: ``[rows * chunk_size]`` first input: the scores, or the momentum for the momentum statistic.
+        b: Same length, second input: the residual (the scores again when ``stat`` is ``_STAT_SCORES``).
+        stat: ``_STAT_*`` code of the score the kernel computes from ``a`` and ``b``.
+        beta1: b1 of the momentum statistic (unused otherwise).
+        chunk_size: C, a power of two <= 32768.
+        k: Slots per chunk.
+        k_explore: Exploration slots per chunk.
+        explore_offset: Start of the exploration window (taken mod C).
+
+    Returns:
+        ``[rows, k]`` int16 ascending chunk-local indices.
+    """
     require_triton()
     C = chunk_size
-    if not (0 < C <= MAX_CHUNK_SIZE and C & (C - 1) == 0):
+    if not chunk_ok(C):
         raise ValueError(f"chunk_size must be a power of two <= {MAX_CHUNK_SIZE}, got {C}")
     if a.numel() % C != 0 or b.numel() != a.numel():
         raise ValueError(f"inputs of {a.numel()} and {b.numel()} values are not whole chunks of {C}")
@@ -207,6 +268,7 @@ def _launch_select(
     return out
 
 
+@signature_of(chunk_topk_ref)
 def chunk_topk_triton(scores: Tensor, chunk_size: int, k: int, k_explore: int, explore_offset: int) -> Tensor:
     """Triton kernel of :func:`chunk_topk_ref`: the same indices, exactly.
 
@@ -227,6 +289,7 @@ def chunk_topk_triton(scores: Tensor, chunk_size: int, k: int, k_explore: int, e
     return _launch_select(scores, scores, _STAT_SCORES, 0.0, chunk_size, k, k_explore, explore_offset)
 
 
+@signature_of(select_mask_ref)
 def select_mask_triton(
     momentum: Tensor,
     residual: Tensor,

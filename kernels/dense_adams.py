@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from ._hyper import AdamSHyper
-from ._triton import HAS_TRITON, cast_rne, require_triton, tl, triton
+from ._signature import signature_of
+from ._triton import HAS_TRITON, LOW_FLOATS, cast_rne, require_triton, tl, triton, use_triton
 
 
 def dense_adams_ref(
@@ -23,6 +24,8 @@ def dense_adams_ref(
     hyper: AdamSHyper,
 ) -> None:
     """Pure-PyTorch reference (and CPU path), in place.
+
+    The op's signature is this one: its launcher and entry point are declared with it (``_signature.py``).
 
     Args:
         param: Parameters (any float dtype); the arithmetic runs in ``momentum.dtype``.
@@ -45,6 +48,26 @@ def dense_adams_ref(
     theta.addcdiv_(momentum, nu.sqrt_().add_(h.eps), value=-h.lr / c)
     if theta is not param:
         param.copy_(theta)
+
+
+@signature_of(dense_adams_ref)
+def dense_adams(param: Tensor, momentum: Tensor, grad: Tensor | None, hyper: AdamSHyper) -> None:
+    """Dense AdamS, in place: the entry point (see :func:`dense_adams_ref` for the arguments).
+
+    Runs :func:`dense_adams_triton` where :func:`~._triton.use_triton` allows it and the kernel takes the
+    dtypes, :func:`dense_adams_ref` otherwise; fp64 state runs the ref.
+    """
+    tensors = (param, momentum) if grad is None else (param, momentum, grad)
+    fn = dense_adams_ref
+    if (
+        use_triton(*tensors)
+        and momentum.dtype == torch.float32
+        and param.dtype in LOW_FLOATS
+        and (grad is None or grad.is_floating_point())
+        and momentum.numel() == param.numel()
+    ):
+        fn = dense_adams_triton
+    fn(param, momentum, grad, hyper)
 
 
 if HAS_TRITON:
@@ -85,6 +108,7 @@ if HAS_TRITON:
         tl.store(mom_ptr + offs, m, mask=live)
 
 
+@signature_of(dense_adams_ref)
 def dense_adams_triton(
     param: Tensor,
     momentum: Tensor,

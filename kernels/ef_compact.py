@@ -11,11 +11,17 @@ import torch
 from torch import Tensor
 
 from ._positions import mask_positions
-from ._triton import HAS_TRITON, cast_rne, require_triton, tl, triton
+from ._signature import signature_of
+from ._triton import HAS_TRITON, cast_rne, chunk_ok, require_triton, tl, triton, use_triton
+
+# Residual dtypes the kernel takes: it only adds and casts, so it is exact in fp64 too.
+_STATE_FLOATS = (torch.float32, torch.float64)
 
 
 def ef_compact_ref(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int, out: Tensor) -> None:
     """Pure-PyTorch reference (and CPU path).
+
+    The op's signature is this one: its launcher and entry point are declared with it (``_signature.py``).
 
     Args:
         residual: ``[rows * chunk_size]`` error-feedback residual (fp32 or fp64), updated in place.
@@ -29,6 +35,26 @@ def ef_compact_ref(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int
     picked = residual.index_select(0, pos)
     out.copy_(picked)
     residual.index_copy_(0, pos, picked.sub_(out.to(residual.dtype)))
+
+
+@signature_of(ef_compact_ref)
+def ef_compact(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int, out: Tensor) -> None:
+    """Error feedback and compaction: the entry point (see :func:`ef_compact_ref` for the arguments).
+
+    Runs :func:`ef_compact_triton` where :func:`~._triton.use_triton` allows it and the kernel takes the
+    chunk size and dtypes, :func:`ef_compact_ref` otherwise. The kernel is exact for every dtype (it only
+    adds and casts), fp64 included.
+    """
+    if (
+        use_triton(residual, grad, mask, out)
+        and chunk_ok(chunk_size)
+        and residual.dtype in _STATE_FLOATS
+        and grad.is_floating_point()
+        and out.is_floating_point()
+    ):
+        ef_compact_triton(residual, grad, mask, chunk_size, out)
+    else:
+        ef_compact_ref(residual, grad, mask, chunk_size, out)
 
 
 if HAS_TRITON:
@@ -66,6 +92,7 @@ if HAS_TRITON:
             tl.store(res_ptr + base + idx, a - v.to(a.dtype), mask=live)
 
 
+@signature_of(ef_compact_ref)
 def ef_compact_triton(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int, out: Tensor) -> None:
     """Triton kernel of :func:`ef_compact_ref` (same arguments, same result bit for bit).
 

@@ -6,11 +6,14 @@ import torch
 from torch import Tensor
 
 from ._positions import mask_positions
-from ._triton import HAS_TRITON, cast_rne, require_triton, tl, triton
+from ._signature import signature_of
+from ._triton import HAS_TRITON, LOW_FLOATS, cast_rne, chunk_ok, require_triton, tl, triton, use_triton
 
 
 def scatter_decay_ref(params: Tensor, values: Tensor, mask: Tensor, chunk_size: int, decay: float) -> None:
     """Pure-PyTorch reference (and CPU path): ``params *= decay; params[mask] = values``.
+
+    The op's signature is this one: its launcher and entry point are declared with it (``_signature.py``).
 
     Args:
         params: ``[rows * chunk_size]`` flat parameter replica, updated in place.
@@ -22,6 +25,25 @@ def scatter_decay_ref(params: Tensor, values: Tensor, mask: Tensor, chunk_size: 
     if decay != 1.0:
         params.mul_(decay)
     params.index_copy_(0, mask_positions(mask, chunk_size), values.to(params.dtype))
+
+
+@signature_of(scatter_decay_ref)
+def scatter_decay(params: Tensor, values: Tensor, mask: Tensor, chunk_size: int, decay: float) -> None:
+    """Weight decay on the replica and scatter of the new values: the entry point (see :func:`scatter_decay_ref`).
+
+    Runs :func:`scatter_decay_triton` where :func:`~._triton.use_triton` allows it and the kernel takes the
+    chunk size and dtypes, :func:`scatter_decay_ref` otherwise. fp64 parameters run the ref (the kernel
+    would apply ``decay`` rounded to fp32).
+    """
+    if (
+        use_triton(params, values, mask)
+        and chunk_ok(chunk_size)
+        and params.dtype in LOW_FLOATS
+        and values.is_floating_point()
+    ):
+        scatter_decay_triton(params, values, mask, chunk_size, decay)
+    else:
+        scatter_decay_ref(params, values, mask, chunk_size, decay)
 
 
 if HAS_TRITON:
@@ -58,6 +80,7 @@ if HAS_TRITON:
             tl.store(p_ptr + base + idx, cast_rne(v, p_ptr.dtype.element_ty), mask=live)
 
 
+@signature_of(scatter_decay_ref)
 def scatter_decay_triton(params: Tensor, values: Tensor, mask: Tensor, chunk_size: int, decay: float) -> None:
     """Triton kernel of :func:`scatter_decay_ref`: one pass over the replica, decay and scatter fused.
 

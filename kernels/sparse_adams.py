@@ -25,7 +25,8 @@ from torch import Tensor
 
 from ._hyper import AdamSHyper
 from ._positions import mask_positions
-from ._triton import HAS_TRITON, cast_rne, require_triton, tl, triton
+from ._signature import signature_of
+from ._triton import HAS_TRITON, LOW_FLOATS, cast_rne, require_triton, tl, triton, use_triton
 
 
 def sparse_adams_ref(
@@ -39,6 +40,8 @@ def sparse_adams_ref(
     hyper: AdamSHyper,
 ) -> None:
     """Pure-PyTorch reference (and CPU path).
+
+    The op's signature is this one: its launcher and entry point are declared with it (``_signature.py``).
 
     Args:
         param: ``[rows * chunk_size]`` parameters of the region this rank updates (read only).
@@ -66,6 +69,35 @@ def sparse_adams_ref(
     out.copy_(theta.mul_(h.decay).sub_(disp, alpha=h.lr))
     momentum.index_copy_(0, pos, m)
     last_sent.index_fill_(0, pos, h.step)
+
+
+@signature_of(sparse_adams_ref)
+def sparse_adams(
+    param: Tensor,
+    momentum: Tensor,
+    last_sent: Tensor,
+    gbar: Tensor,
+    mask: Tensor,
+    chunk_size: int,
+    out: Tensor,
+    hyper: AdamSHyper,
+) -> None:
+    """AdamS on the masked slots: the entry point (see :func:`sparse_adams_ref` for the arguments).
+
+    Runs :func:`sparse_adams_triton` where :func:`~._triton.use_triton` allows it and the kernel takes the
+    dtypes, :func:`sparse_adams_ref` otherwise; fp64 state runs the ref.
+    """
+    fn = sparse_adams_ref
+    if (
+        use_triton(param, momentum, last_sent, gbar, mask, out)
+        and momentum.dtype == torch.float32
+        and last_sent.dtype == torch.int32
+        and param.dtype in LOW_FLOATS
+        and gbar.dtype in LOW_FLOATS
+        and out.dtype in LOW_FLOATS
+    ):
+        fn = sparse_adams_triton
+    fn(param, momentum, last_sent, gbar, mask, chunk_size, out, hyper)
 
 
 def interval_bound_per_step(h: AdamSHyper) -> float:
@@ -167,6 +199,7 @@ if HAS_TRITON:
         tl.store(last_ptr + pos, tl.full([BLOCK], 0, tl.int32) + step, mask=live)
 
 
+@signature_of(sparse_adams_ref)
 def sparse_adams_triton(
     param: Tensor,
     momentum: Tensor,
