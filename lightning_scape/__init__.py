@@ -10,7 +10,7 @@ from lightning_scape.adams import AdamS
 from lightning_scape.comm import ByteCounters, Communicator, ProcessGroupCommunicator, SoloCommunicator
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.fabric import ScapeStrategy  # Fabric's strategy
+from lightning_scape.fabric import ScapeFSDPStrategy, ScapeStrategy  # Fabric's strategies
 from lightning_scape.pytorch.monitors import CommunicationMonitor, MaskMonitor
 from lightning_scape.simulation import simulate
 from lightning_scape.wiring.optimizer import ScapeOptimizer
@@ -28,6 +28,7 @@ __all__ = [
     "ProcessGroupCommunicator",
     "ScapeConfig",
     "ScapeEngine",
+    "ScapeFSDPStrategy",
     "ScapeOptimizer",
     "ScapeStrategy",
     "SoloCommunicator",

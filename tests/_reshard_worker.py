@@ -19,7 +19,7 @@ import torch
 torch.set_num_threads(1)
 
 import lightning.pytorch as pl  # noqa: E402
-from helpers import flat  # noqa: E402
+from helpers import flat, rank_file  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch import nn  # noqa: E402
@@ -172,8 +172,8 @@ def fabric_resume(outdir: str, world_size: int) -> None:
         if rank == 0:
             shutil.copy(ckpt, bad)
             shutil.copytree(ckpt + ".scape", bad + ".scape")
-            with open(bad + ".scape/rank-00001.pt", "r+b") as f:
-                f.truncate(os.path.getsize(bad + ".scape/rank-00001.pt") // 2)
+            with open(rank_file(bad, 1), "r+b") as f:
+                f.truncate(os.path.getsize(rank_file(bad, 1)) // 2)
         fabric.barrier()
         model, opt, _ = fabric_setup(fabric)
         before = flat(model.parameters())

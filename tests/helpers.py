@@ -186,6 +186,17 @@ def load_outputs(outdir: str, name: str, world_size: int = 2) -> list[Any]:
     return [torch.load(os.path.join(outdir, f"{name}_rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
+def rank_file(checkpoint: str | Path, rank: int) -> str:
+    """The one SCAPE rank file of ``rank`` beside ``checkpoint`` (``<checkpoint>.scape/<save id>-rank-XXXXX.pt``)."""
+    (found,) = Path(f"{checkpoint}.scape").glob(f"*-rank-{rank:05d}.pt")
+    return str(found)
+
+
+def rank_file_names(directory: str | Path) -> list[str]:
+    """The names in ``directory``, sorted, with the save id of every rank file left out (``rank-XXXXX.pt``)."""
+    return sorted(re.sub(r"^.+-(rank-\d{5}\.pt)$", r"\1", name) for name in os.listdir(directory))
+
+
 # ----------------------------------------------------------------------- the engine on the tiny net
 
 
@@ -251,27 +262,62 @@ def reference_dense_adams(spec: dict[str, Any], world_size: int) -> list[Tensor]
     return params
 
 
-def mass_worker(rank: int, comm: Communicator, steps: int) -> dict[str, Tensor]:
-    """Integer-valued fp64 gradients (so every sum is exact); returns sum g, what was sent, the residual."""
+def mass_worker(
+    rank: int, comm: Communicator, steps: int, passes: int = 0, sharded: bool = True, staged: bool = False
+) -> dict[str, Tensor]:
+    """Integer-valued fp64 gradients (so every sum is exact); returns sum g, what was sent, the residual and what
+    the steps applied.
+
+    Args:
+        rank: This rank.
+        comm: The group.
+        steps: Optimizer steps.
+        passes: Backward passes per step of a loss linear in the parameters (``sum(p * G)``, so each pass adds
+            the integer tensor ``G`` to ``param.grad``); 0: set ``param.grad`` directly, no backward.
+        sharded: ``ScapeConfig.sharded``.
+        staged: ``skip_nonfinite`` (sparse steps stage their values and the residual takes the gradient at the
+            step).
+
+    Returns:
+        ``grad_sum``: sum of ``param.grad`` at each step; ``sent``: what this rank sent for good (every round's
+        values, or the last round's when staged: a staged step sends the whole accumulated gradient again);
+        ``residual``; ``applied``: this rank's shard of the averaged values the steps applied.
+    """
     from lightning_scape.kernels import mask_positions
 
-    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=0, exploration=0.25)
+    cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=0, exploration=0.25, sharded=sharded)
     model = make_net(0, torch.float64)
-    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-3), cfg, comm)
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-3), cfg, comm, skip_nonfinite=staged)
     (bs,) = engine.buckets  # one bucket: the whole model fits under bucket_cap_mb
     gen = torch.Generator().manual_seed(rank)
-    grad_sum = torch.zeros_like(bs.residual)
-    sent = torch.zeros_like(bs.residual)
+    out = {k: torch.zeros_like(bs.residual) for k in ("grad_sum", "sent", "applied")}
     for _ in range(steps):
-        for p in model.parameters():
-            p.grad = torch.randint(-1000, 1000, p.shape, generator=gen).double()
         mask = engine.current_masks()[0]
+        positions = mask_positions(mask, cfg.chunk_size)
+        rounds = []
+        if passes == 0:
+            for p in model.parameters():
+                p.grad = torch.randint(-1000, 1000, p.shape, generator=gen).double()
+        for _ in range(passes):
+            grads = [torch.randint(-1000, 1000, p.shape, generator=gen).double() for p in model.parameters()]
+            sum((p * g).sum() for p, g in zip(model.parameters(), grads, strict=True)).backward()
+            rounds.append(bs.values.clone())  # the bucket launched: this round's local values (simulated wait)
         engine.step()  # no backward: the step synchronises the gradients it finds
-        grad_sum += bs.grads
-        sent.index_add_(0, mask_positions(mask, cfg.chunk_size), bs.values)
+        out["grad_sum"] += bs.grads
+        if passes == 0:
+            rounds = [bs.values]  # sharded: the step's own launch, its local values (replicated: the sums)
+        for values in rounds[-1:] if staged else rounds:
+            out["sent"].index_add_(0, positions, values)
+        applied = torch.zeros_like(bs.residual)
+        if sharded:
+            assert bs.received is not None
+            applied.index_add_(0, mask_positions(bs.region_rows(mask), cfg.chunk_size) + bs.region.start, bs.received)
+        else:
+            applied.index_add_(0, positions, bs.values)
+        out["applied"][bs.shard] += applied[bs.shard]
         engine.zero_grad()
     engine.close()
-    return {"grad_sum": grad_sum, "sent": sent, "residual": bs.residual.clone()}
+    return {**out, "residual": bs.residual.clone()}
 
 
 def _process_group_comm() -> Communicator:

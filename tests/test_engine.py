@@ -110,6 +110,24 @@ def test_no_gradient_mass_is_lost_exactly() -> None:
     assert torch.equal(total_g, sum(r["sent"] + r["residual"] for r in results))
 
 
+@pytest.mark.parametrize("sharded", [True, False])
+@pytest.mark.parametrize("staged", [False, True])
+@pytest.mark.parametrize("passes", [1, 2, 3])
+def test_no_gradient_mass_is_lost_over_several_backward_passes_per_step(
+    passes: int, staged: bool, sharded: bool
+) -> None:
+    """Backward passes after the first reach buckets already sent this step: sum_t g = W * applied + residuals
+    over the ranks, exactly, and per rank sum_t g = sent + residual."""
+    W = 2
+    results = simulate(W, lambda rank, comm: mass_worker(rank, comm, 8, passes, sharded, staged))
+    total_g = sum(r["grad_sum"] for r in results)
+    applied = sum(r["applied"] for r in results)
+    assert torch.equal(total_g, W * applied + sum(r["residual"] for r in results))
+    for r in results:
+        assert torch.equal(r["grad_sum"], r["sent"] + r["residual"])
+        assert r["applied"].abs().sum() > 0 and r["residual"].abs().sum() > 0
+
+
 def test_masks_lie_in_their_owners_shards_with_distinct_slots() -> None:
     W = 2
     cfg = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=2, density_ramp_steps=0, bucket_cap_mb=1.0)
@@ -360,6 +378,40 @@ class _SpyComm(SoloCommunicator):
         return super().reduce_scatter_sum(output, input)
 
 
+class _Broken:
+    """A collective whose wait fails, as a dead peer's does."""
+
+    def wait(self) -> None:
+        raise RuntimeError("peer gone")
+
+
+class _BreakingComm(SoloCommunicator):
+    """World size 1 whose reduce-scatters fail once ``broken`` is set, counting the waits on them."""
+
+    def __init__(self) -> None:
+        self.broken = False
+
+    def reduce_scatter_sum(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        return _Broken() if self.broken else super().reduce_scatter_sum(output, input)
+
+
+def test_a_failed_collective_is_recorded_and_close_does_not_wait_on_it() -> None:
+    """The engine records its own collectives' failures (nothing else has to), and then drops what is in flight."""
+    net = make_net()
+    comm = _BreakingComm()
+    engine = ScapeEngine(AdamS(net.parameters(), lr=1e-2), ScapeConfig(density=0.1, chunk_size=64), comm)
+    x, y = make_batch(0, 0)
+    (net(x) - y).pow(2).mean().backward()
+    engine.step()
+    assert not engine.wire.failed
+    comm.broken = True
+    (net(x) - y).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="peer gone"):
+        engine.step()
+    assert engine.wire.failed
+    engine.close()  # does not wait on (and raise from) the collectives still in flight
+
+
 def test_bucket_collectives_launch_during_backward() -> None:
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])
     params = list(model.parameters())
@@ -409,7 +461,101 @@ def test_unused_parameters_contribute_zeros_without_a_hang() -> None:
     assert torch.equal(a, b)
 
 
-def test_no_sync_accumulates_and_a_second_synced_backward_is_refused() -> None:
+def _two_pass_losses(net: nn.Module, rank: int, step: int) -> list[torch.Tensor]:
+    """Two micro-batches of a step, each loss halved (the accumulation of Lightning's manual-optimization docs)."""
+    return [(net(x) - y).pow(2).mean() / 2 for x, y in (make_batch(rank, 2 * step), make_batch(rank, 2 * step + 1))]
+
+
+@pytest.mark.parametrize("loss_scale", [None, 256.0])
+@pytest.mark.parametrize("sharded", [True, False])
+@pytest.mark.parametrize("dense_warmup_steps", [0, 4])
+def test_two_backward_passes_per_step_add_up_as_under_ddp(
+    dense_warmup_steps: int, sharded: bool, loss_scale: float | None
+) -> None:
+    """Two synchronised backward passes, then one step: DDP sums both passes' averaged gradients. At density 1
+    (sparse steps) and in dense steps SCAPE must reproduce data-parallel AdamS on that sum, with fp16 loss
+    scaling too."""
+    W, steps = 2, 4
+    cfg = ScapeConfig(
+        density=1.0, chunk_size=32, dense_warmup_steps=dense_warmup_steps, exploration=0.0, sharded=sharded
+    )
+    scale = 1.0 if loss_scale is None else loss_scale
+
+    def worker(rank: int, comm: Communicator) -> list[torch.Tensor]:
+        net = make_net()
+        engine = ScapeEngine(
+            AdamS(param_groups(net, 1e-2), lr=1e-2), cfg, comm, param_order=list(net.parameters()),
+            loss_scale=None if loss_scale is None else (lambda: scale), skip_nonfinite=loss_scale is not None,
+        )  # fmt: skip
+        trace = []
+        for step in range(steps):
+            for loss in _two_pass_losses(net, rank, step):
+                (loss * scale).backward()
+            engine.step()
+            engine.zero_grad()
+            trace.append(flat(net.parameters()))
+        return trace
+
+    out = simulate(W, worker)
+    ref_net = make_net()
+    ref = AdamS(param_groups(ref_net, 1e-2), lr=1e-2)
+    for step in range(steps):
+        grads = []
+        for rank in range(W):
+            ref_net.zero_grad()
+            for loss in _two_pass_losses(ref_net, rank, step):
+                loss.backward()
+            grads.append([p.grad.clone() for p in ref_net.parameters()])  # type: ignore[union-attr]
+        for i, p in enumerate(ref_net.parameters()):
+            p.grad = torch.stack([g[i] for g in grads]).mean(0)
+        ref.step()
+        for rank_trace in out:
+            assert rel_err(rank_trace[step], flat(ref_net.parameters())) < 1e-6, step
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_param_grad_holds_this_ranks_gradient_and_the_global_norm_is_the_averages(sharded: bool) -> None:
+    """``param.grad`` is what backward computed on this rank, in dense and sparse steps, before and after the
+    step; ``global_grad_norm`` is DDP's gradient norm (of the average) in dense steps. A write to ``param.grad``
+    after backward changes nothing, and the engine says so."""
+    cfg = ScapeConfig(density=0.1, chunk_size=64, dense_warmup_steps=2, density_ramp_steps=0, sharded=sharded)
+
+    def worker(rank: int, comm: Communicator, clip: bool) -> dict[str, Any]:
+        net = make_net()
+        engine = ScapeEngine(AdamS(net.parameters(), lr=1e-2), cfg, comm, param_order=list(net.parameters()))
+        out: dict[str, Any] = {"local": [], "norms": [], "written": []}
+        for step in range(4):
+            x, y = make_batch(rank, step)
+            loss = (net(x) - y).pow(2).mean()
+            local = torch.cat(
+                [g.reshape(-1) for g in torch.autograd.grad(loss, list(net.parameters()), retain_graph=True)]
+            )
+            loss.backward()
+            out["norms"].append(engine.global_grad_norm())  # waits for the step's collectives
+            assert torch.equal(torch.cat([p.grad.reshape(-1) for p in net.parameters()]), local), step  # type: ignore[union-attr]
+            if clip and step == 3:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-4)  # in place, after the gradient was sent
+            engine.step()
+            out["written"].append(engine.grads_written_after_send)
+            if not clip:
+                assert torch.equal(torch.cat([p.grad.reshape(-1) for p in net.parameters()]), local), step  # type: ignore[union-attr]
+            out["local"].append(local)
+            engine.zero_grad()
+        out["params"] = flat(net.parameters())
+        return out
+
+    plain, clipped = (simulate(2, lambda rank, comm, c=c: worker(rank, comm, c)) for c in (False, True))
+    for step in range(2):  # dense steps: the norm of the average, as DDP's grad norm
+        average = (plain[0]["local"][step] + plain[1]["local"][step]) / 2
+        assert plain[0]["norms"][step] == pytest.approx(float(average.norm()), rel=1e-6)
+    assert plain[0]["norms"] == plain[1]["norms"]
+    assert plain[0]["local"][0].norm() != pytest.approx(plain[0]["norms"][0], rel=1e-3)  # a local norm differs
+    for r in range(2):
+        assert clipped[r]["written"] == [False, False, False, True] and not any(plain[r]["written"])
+        assert torch.equal(clipped[r]["params"], plain[r]["params"])
+
+
+def test_no_sync_accumulates_and_a_second_synced_backward_adds_up() -> None:
     cfg = ScapeConfig(density=1.0, chunk_size=32, dense_warmup_steps=0, exploration=0.0)
     model, twin = make_net(0), make_net(0)
     engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg)
@@ -424,10 +570,17 @@ def test_no_sync_accumulates_and_a_second_synced_backward_is_refused() -> None:
     ref.step()
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    # Two synchronised backward passes (the first one sent, the second arriving at sent buckets) add up too.
     engine.zero_grad()
+    twin.zero_grad()
     (model(x1) - y1).pow(2).mean().backward()
-    with pytest.raises(RuntimeError, match="already synchronised"):
-        (model(x2) - y2).pow(2).mean().backward()
+    (model(x2) - y2).pow(2).mean().backward()
+    assert engine._step is not None and engine._step.rounds == 2
+    engine.step()
+    ((twin(x1) - y1).pow(2).mean() + (twin(x2) - y2).pow(2).mean()).backward()
+    ref.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def test_frozen_parameters_are_left_out_and_tied_parameters_count_once() -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 from helpers import run_script
 
+from lightning_scape.comm import stop_heartbeat
 from lightning_scape.comm.fault_naming import _Heartbeat
 
 # Many heartbeats beating without pause and an exit at a random moment: without the stop at exit, a thread
@@ -48,3 +49,13 @@ def test_heartbeat_publishes_progress_and_stops() -> None:
     after = store.get(_Heartbeat._key(0))
     time.sleep(0.3)
     assert store.get(_Heartbeat._key(0)) == after
+
+
+def test_the_process_heartbeat_stops_on_request() -> None:
+    """What the strategies' teardown calls: the thread ends (no SCAPE thread outlives a fit)."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    hb = _Heartbeat(store, 0, 2, 3.0)
+    _Heartbeat._current = hb
+    stop_heartbeat()
+    assert not hb._thread.is_alive() and _Heartbeat._current is None
+    stop_heartbeat()  # nothing running: nothing to do

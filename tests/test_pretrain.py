@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import rank_file_names
 
 from lightning_scape.config import ScapeConfig
 from lightning_scape.examples.workloads import free_port
@@ -245,7 +246,7 @@ def test_debug_recipe_trains_logs_and_checkpoints(full_run: tuple[Path, Path, st
     for step in (20, 40, 60):
         ckpt = full / f"step-{step:08d}" / "lit_model.pth"
         assert ckpt.is_file() and (full / f"step-{step:08d}" / "hyperparameters.yaml").is_file()
-        assert sorted(p.name for p in Path(f"{ckpt}.scape").iterdir()) == ["rank-00000.pt", "rank-00001.pt"]
+        assert rank_file_names(f"{ckpt}.scape") == ["rank-00000.pt", "rank-00001.pt"]
     rows = [r for r in _metrics(full) if r.get("loss")]
     losses = [float(r["loss"]) for r in rows]
     assert len(losses) == 12 and losses[-1] < losses[0] - 1.0, losses  # byte-level: from ~5.5 nats to below 3
@@ -298,7 +299,7 @@ def test_two_nodes_through_lightning_environment_equal_one_node_of_two(
     full, cache, _ = full_run
     two_nodes = tmp_path / "two_nodes"
     _pretrain_two_nodes(two_nodes, cache)
-    assert sorted(p.name for p in (two_nodes / "final" / "lit_model.pth.scape").iterdir()) == [
+    assert rank_file_names(two_nodes / "final" / "lit_model.pth.scape") == [
         "rank-00000.pt",
         "rank-00001.pt",
     ]

@@ -374,14 +374,16 @@ def test_checkpoint_files_of_another_world_size_are_read_one_by_one_and_checked(
     # A rank file of another save, a missing one, a truncated one: refused, naming the file.
     other = str(tmp_path / "other.ckpt")
     _write_checkpoint(other, [r["state"] for r in first], "id-2")
-    os.replace(checkpoint_protocol.rank_state_path(other, 1), checkpoint_protocol.rank_state_path(path, 1))
+    os.replace(
+        checkpoint_protocol.rank_state_path(other, 1, "id-2"), checkpoint_protocol.rank_state_path(path, 1, "id-1")
+    )
     with pytest.raises(ValueError, match=r"rank-00001\.pt' does not belong"):
         checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
-    os.remove(checkpoint_protocol.rank_state_path(path, 1))
+    os.remove(checkpoint_protocol.rank_state_path(path, 1, "id-1"))
     with pytest.raises(FileNotFoundError, match=r"rank 1 \(of 2: re-sharding reads every rank's file\) is missing"):
         checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})
     _write_checkpoint(path, [r["state"] for r in first], "id-1")
-    with open(checkpoint_protocol.rank_state_path(path, 1), "r+b") as f:
+    with open(checkpoint_protocol.rank_state_path(path, 1, "id-1"), "r+b") as f:
         f.truncate(200)
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 .*rank-00001\.pt.*truncated or corrupt"):
         checkpoint_protocol.load_rank_states(io, path, {"optimizer": stub}, 0, 1, engines={"optimizer": engine})

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _reshard_worker import EPOCHS, LR, SAVE_AT, SCAPE, STEPS
-from helpers import HERE, PYTHON, child_env, run_script
+from helpers import HERE, PYTHON, child_env, rank_file, run_script
 
 from lightning_scape import ScapeConfig
 from lightning_scape.examples.workloads import free_port
@@ -55,7 +55,7 @@ def global_losses(outs: list[dict[str, Any]]) -> list[float]:
 def rank_files(out: str) -> list[dict[str, Any]]:
     """The SCAPE state each of the 2 writing ranks saved in the Fabric checkpoint."""
     return [
-        torch.load(os.path.join(out, "fabric.ckpt.scape", f"rank-0000{r}.pt"), weights_only=False)[
+        torch.load(rank_file(os.path.join(out, "fabric.ckpt"), r), weights_only=False)[
             "scape_rank_state"]["optimizers"]["optimizer"]["scape"]
         for r in range(2)
     ]  # fmt: skip

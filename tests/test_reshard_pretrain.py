@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import rank_file_names
 
 REPO = Path(__file__).resolve().parent.parent
 DEBUG = str(REPO / "recipes" / "debug.yaml")
@@ -58,7 +59,7 @@ def test_resume_on_one_process_continues_the_two_process_run(tmp_path: Path) -> 
             lr, before, after = (float(x["learning_rate"]) for x in (r, whole_rows[step], whole_rows[step + 1]))
             assert before < lr < after or before > lr > after, (step, before, lr, after)
     # The final checkpoint has one rank file; the losses of the continuation stay with the uninterrupted run's.
-    assert sorted(os.listdir(resumed / "final" / "lit_model.pth.scape")) == ["rank-00000.pt"]
+    assert rank_file_names(resumed / "final" / "lit_model.pth.scape") == ["rank-00000.pt"]
     mean = sum(float(rows[s]["loss"]) for s in rows) / len(rows)
     mean_whole = sum(float(whole_rows[s]["loss"]) for s in rows) / len(rows)
     print(f"pretrain 2 -> 1: mean loss of steps 9-16 {mean:.4f} (uninterrupted {mean_whole:.4f})")

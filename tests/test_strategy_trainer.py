@@ -35,6 +35,8 @@ from helpers import (
     lr_lambda,
     make_net,
     param_groups,
+    rank_file,
+    rank_file_names,
     reference,
     run_script,
     same,
@@ -396,7 +398,7 @@ def resume_from_a_checkpoint(outdir: str) -> None:
     )
     last = os.path.join(ckdir, "last.ckpt")
     fit_and_record("resumed", outdir, ScapeStrategy(**SCAPE), max_epochs=4, ckpt_path=last)
-    save_output(outdir, "ckpt_files", dist.get_rank(), sorted(os.listdir(ckdir)) + sorted(os.listdir(last + ".scape")))
+    save_output(outdir, "ckpt_files", dist.get_rank(), rank_file_names(ckdir) + rank_file_names(last + ".scape"))
 
 
 def test_resume_continues_bitwise_identically(trainer_runs: str) -> None:
@@ -407,7 +409,8 @@ def test_resume_continues_bitwise_identically(trainer_runs: str) -> None:
         for key in ("momentum", "residual", "last_sent", "masks", "step_count", "refresh_count", "total_sent"):
             assert same(whole[r]["engine"][key], resumed[r]["engine"][key]), (r, key)
     assert torch.equal(whole[0]["params"], reference(epochs=4)[0]["params"])
-    # ModelCheckpoint(save_top_k=1) removed the epoch-0 checkpoint together with its per-rank files.
+    # ModelCheckpoint(save_top_k=1) removed the epoch-0 checkpoint together with its per-rank files, and the rank
+    # files of every earlier save to last.ckpt are gone (each save's files have names of their own).
     files = runs(trainer_runs, "ckpt_files")[0]
     assert files == [
         "eepoch=1.ckpt",
@@ -448,8 +451,8 @@ def resume_with_a_truncated_rank_file(outdir: str) -> None:
     if dist.get_rank() == 0:
         shutil.copy(last, bad)
         shutil.copytree(last + ".scape", bad + ".scape")
-        with open(bad + ".scape/rank-00001.pt", "r+b") as f:
-            f.truncate(os.path.getsize(bad + ".scape/rank-00001.pt") // 2)
+        with open(rank_file(bad, 1), "r+b") as f:
+            f.truncate(os.path.getsize(rank_file(bad, 1)) // 2)
     dist.barrier()
     probe = LitModel()
     before = flat(probe.parameters())

@@ -3,7 +3,8 @@
 * :mod:`~lightning_scape.comm.base`: :class:`Pending`, :class:`Communicator`, :class:`SoloCommunicator`;
 * :mod:`~lightning_scape.comm.process_group`: :class:`ProcessGroupCommunicator` (``torch.distributed``);
 * :mod:`~lightning_scape.comm.fault_naming`: :class:`FaultNamingCommunicator` (failures name the rank that
-  stopped answering) and the timeout arithmetic of the Lightning strategies;
+  stopped answering, from a heartbeat thread that :func:`stop_heartbeat` ends) and the timeout arithmetic of
+  the Lightning strategies;
 * :mod:`~lightning_scape.comm.thread_group`: W simulated ranks in one process;
 * :mod:`~lightning_scape.comm.counters`: :class:`ByteCounters`, bytes sent per :data:`Traffic` kind;
 * :mod:`~lightning_scape.comm.wire`: :class:`Wire`, through which the engine launches and counts every collective.
@@ -11,7 +12,7 @@
 
 from lightning_scape.comm.base import Communicator, Done, Pending, SoloCommunicator
 from lightning_scape.comm.counters import TRAFFIC_KINDS, ByteCounters, Traffic
-from lightning_scape.comm.fault_naming import FaultNamingCommunicator, make_communicator
+from lightning_scape.comm.fault_naming import FaultNamingCommunicator, make_communicator, stop_heartbeat
 from lightning_scape.comm.process_group import ProcessGroupCommunicator
 from lightning_scape.comm.thread_group import ThreadGroupCommunicator
 from lightning_scape.comm.wire import Wire, all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
@@ -32,4 +33,5 @@ __all__ = [
     "all_reduce_bytes",
     "make_communicator",
     "reduce_scatter_bytes",
+    "stop_heartbeat",
 ]

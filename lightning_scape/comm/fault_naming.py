@@ -100,6 +100,14 @@ class _Heartbeat:
                 cls._current = hb
             return hb
 
+    @classmethod
+    def stop_current(cls) -> None:
+        """Stop the process-wide heartbeat, if one runs; the next :meth:`for_process` starts a new one."""
+        with cls._lock:
+            hb, cls._current = cls._current, None
+        if hb is not None:
+            hb.stop()
+
     @staticmethod
     def _key(rank: int) -> str:
         return f"lightning_scape/heartbeat/{rank}"
@@ -210,6 +218,12 @@ class FaultNamingCommunicator:
     def all_gather(self, output: Tensor, input: Tensor) -> Pending:
         """Async all-gather."""
         return self._track(lambda: self.inner.all_gather(output, input))
+
+
+def stop_heartbeat() -> None:
+    """Stop this process's heartbeat thread (the end of a run: the strategies' teardown); a later
+    :class:`FaultNamingCommunicator` starts a new one. The thread also stops when the process exits."""
+    _Heartbeat.stop_current()
 
 
 def make_communicator(timeout_s: float) -> Communicator:

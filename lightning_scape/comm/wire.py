@@ -3,12 +3,14 @@
 The engine never calls a :class:`~lightning_scape.comm.base.Communicator` itself: each collective goes
 through one method of :class:`Wire`, which adds the bytes this rank sends (the ring formula written beside
 the launch, ``docs/algorithm.md`` section 5) to the :class:`~lightning_scape.comm.counters.ByteCounters`
-under a :data:`Traffic` kind, then launches it. :meth:`Wire.wait` counts the time a wait blocks.
+under a :data:`Traffic` kind, then launches it. :meth:`Wire.wait` counts the time a wait blocks; a launch or
+wait that raised sets :attr:`Wire.failed`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from torch import Tensor
 
@@ -43,21 +45,29 @@ class Wire:
         self.comm = comm
         self.counters = counters
         self.world_size = comm.world_size
+        self.failed = False  # a launch or wait raised: what is in flight may never complete
+
+    def _launch(self, start: Callable[[], Pending]) -> Pending:
+        try:
+            return start()
+        except BaseException:
+            self.failed = True
+            raise
 
     def all_reduce_sum(self, kind: Traffic, tensor: Tensor) -> Pending:
         """Sum ``tensor`` over ranks in place; sends ``2 (W-1)/W n b``."""
         self.counters.add(kind, all_reduce_bytes(tensor.numel(), tensor.element_size(), self.world_size))
-        return self.comm.all_reduce_sum(tensor)
+        return self._launch(lambda: self.comm.all_reduce_sum(tensor))
 
     def reduce_scatter_sum(self, kind: Traffic, output: Tensor, input: Tensor) -> Pending:
         """``output`` = the sum over ranks of this rank's slice of ``input``; sends ``(W-1)/W`` of ``input``."""
         self.counters.add(kind, reduce_scatter_bytes(input.numel(), input.element_size(), self.world_size))
-        return self.comm.reduce_scatter_sum(output, input)
+        return self._launch(lambda: self.comm.reduce_scatter_sum(output, input))
 
     def all_gather(self, kind: Traffic, output: Tensor, input: Tensor) -> Pending:
         """``output`` = every rank's ``input`` in rank order; sends ``input`` to each of the ``W - 1`` others."""
         self.counters.add(kind, all_gather_bytes(input.numel(), input.element_size(), self.world_size))
-        return self.comm.all_gather(output, input)
+        return self._launch(lambda: self.comm.all_gather(output, input))
 
     def count_dense_equivalent(self, numel: int, itemsize: int) -> None:
         """Count what DDP's all-reduce of ``numel`` gradient elements would send (nothing is launched)."""
@@ -66,5 +76,9 @@ class Wire:
     def wait(self, pending: Pending) -> None:
         """``pending.wait()``, adding the time it blocked to the counters' ``wait_s``."""
         t0 = time.perf_counter()
-        pending.wait()
+        try:
+            pending.wait()
+        except BaseException:
+            self.failed = True
+            raise
         self.counters.add_wait(time.perf_counter() - t0)

@@ -139,13 +139,28 @@ class BucketState:
         return mask[self.region.start // C : self.region.stop // C]
 
     def dense_synced(self) -> Tensor:
-        """Where a warm-up step's summed gradient lands: the reduce-scatter output (sharded), else in place."""
+        """Where a dense step's summed gradient lands: the reduce-scatter output (sharded), else the residual's
+        storage.
+
+        Never ``grads`` itself, so ``param.grad`` keeps this rank's gradient. Replicated mode borrows the
+        residual's memory instead of allocating a bucket-sized buffer: dense steps come before every sparse step
+        and send every coordinate, so the residual is zero and unused there; :meth:`end_dense_step` zeroes it
+        again.
+        """
+        layout = self.layout
         if self.sharded:
             if self.dense_shard is None:
-                layout = self.layout
                 self.dense_shard = torch.empty(layout.shard_numel, dtype=layout.dtype, device=self.grads.device)
             return self.dense_shard
-        return self.grads
+        if self.residual.dtype == layout.dtype:
+            return self.residual
+        # The residual's dtype is at least as wide as the parameters' (state_dtype_for): its bytes hold them.
+        return self.residual.view(torch.uint8)[: layout.padded_numel * layout.dtype.itemsize].view(layout.dtype)
+
+    def end_dense_step(self) -> None:
+        """After a dense step: replicated mode zeroes the residual, whose storage held the summed gradient."""
+        if not self.sharded:
+            self.residual.zero_()
 
     def sparse_synced(self) -> Tensor:
         """Where a sparse step's summed values land: the reduce-scatter output (sharded), else in place."""

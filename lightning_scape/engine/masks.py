@@ -89,6 +89,26 @@ class MaskSchedule:
             self.refresh_count = max(0, self.refresh_count - 1)
             self._queue(new=True, for_step=step + 1)
 
+    def add_buckets(self, new: list[BucketState], step: int) -> None:
+        """Buckets that joined the engine after step ``step`` (already in ``buckets``), e.g. unfrozen parameters.
+
+        During the warm-up nothing more: its end builds their first masks with the others'. After it, each gets
+        a mask now, from its zero statistics (its exploration window and the random slots), queued like the
+        others' (``mask_delay`` copies); it does not count as a refresh. Every rank must call this at the same
+        point (the index all-gathers).
+        """
+        for _ in new:
+            self.queues.append(deque())
+            self.last_built.append(None)
+        if step < self.config.dense_steps:
+            return
+        for bs in new:
+            i = bs.layout.index
+            self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard], step + 1, count=False)
+            built = self.last_built[i]
+            assert built is not None
+            self.queues[i].extend([built] * self.config.mask_delay)
+
     def after_sparse_step(self, step: int) -> None:
         """At the end of sparse step ``step``: queue the mask of the step ``mask_delay`` steps later."""
         cfg = self.config
@@ -181,8 +201,11 @@ class MaskSchedule:
         assert built is not None
         queue.append(built)
 
-    def _build(self, i: int, momentum: Tensor, residual: Tensor, for_step: int) -> None:
-        """Score this rank's shard of bucket ``i``, pick the slots of ``for_step`` and launch the index all-gather."""
+    def _build(self, i: int, momentum: Tensor, residual: Tensor, for_step: int, count: bool = True) -> None:
+        """Score this rank's shard of bucket ``i``, pick the slots of ``for_step`` and launch the index all-gather.
+
+        ``count``: the build is part of a refresh (every bucket's mask built anew), which it completes last.
+        """
         cfg, bs = self.config, self.buckets[i]
         C = bs.layout.chunk_size
         k = cfg.slots_at(for_step, C)
@@ -204,6 +227,8 @@ class MaskSchedule:
             full = torch.empty(bs.layout.chunks, k, dtype=torch.int16, device=dev)
             mask = Mask(full, self.wire.all_gather("indices", full.view(-1), own.view(-1)))
         self.last_built[i] = mask
+        if not count:
+            return
         self._built_in_refresh += 1
         if self._built_in_refresh == len(self.buckets):
             self._built_in_refresh = 0

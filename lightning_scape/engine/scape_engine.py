@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_scape.comm import ByteCounters, Communicator, Pending, SoloCommunicator, Wire
+from lightning_scape.comm import ByteCounters, Communicator, SoloCommunicator, Wire
 from lightning_scape.config import ScapeConfig
-from lightning_scape.engine import feedback, state, update
+from lightning_scape.engine import feedback, joining, state, update
 from lightning_scape.engine.buckets import BucketState
 from lightning_scape.engine.layout import build_buckets
 from lightning_scape.engine.masks import MaskSchedule
@@ -46,7 +46,12 @@ class ScapeEngine:
     On construction the engine flattens the parameters into buckets: every trainable parameter becomes
     a view into its bucket's flat buffer (so its storage moves; call this before ``torch.compile`` and
     after moving the model to its device), and its ``.grad`` becomes a view into the bucket's gradient
-    buffer. Frozen parameters (``requires_grad=False``) are left alone; tied parameters count once.
+    buffer. Frozen parameters (``requires_grad=False``) are left alone until they are unfrozen
+    (:meth:`add_trainable_params`; an engine whose parameters are all frozen has no buckets and its steps do
+    nothing); tied parameters count once.
+
+    ``param.grad`` keeps this rank's gradient (the synchronised one stays inside: :meth:`global_grad_norm`), and
+    backward passes before a step add up as under DDP, each sending (``docs/lightning.md``).
 
     Args:
         optimizer: An :class:`~lightning_scape.AdamS` (or any optimizer whose param groups carry
@@ -92,47 +97,31 @@ class ScapeEngine:
                     f"ScapeEngine needs AdamS-style param groups; this one lacks {missing}. "
                     "Build the optimizer as lightning_scape.AdamS(params, ...)."
                 )
-        layouts = build_buckets(optimizer.param_groups, self.world_size, cfg.chunk_size, cfg.bucket_cap_mb, param_order)
-        if not layouts:
-            raise ValueError("ScapeEngine got no trainable parameters (all frozen or none given).")
-        self.buckets = [BucketState(b, cfg, self.rank) for b in layouts]
+        self.param_order = param_order
+        self.buckets: list[BucketState] = []  # none while every parameter is frozen (add_trainable_params)
         self._hooks: list[Any] = []
         self._bucket_index: dict[int, int] = {}
-        for i, bs in enumerate(self.buckets):
-            bs.bind_params()
-            for place in bs.layout.places:
-                self._bucket_index[id(place.param)] = i
-                self._hooks.append(place.param.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self.numel = sum(b.layout.numel for b in self.buckets)
-        self.padded_numel = sum(b.layout.padded_numel for b in self.buckets)
+        self.numel = self.padded_numel = 0  # real and padded parameters of all buckets (joining.bind counts them)
+        layouts = build_buckets(optimizer.param_groups, self.world_size, cfg.chunk_size, cfg.bucket_cap_mb, param_order)
+        joining.bind(self, layouts)
         self.counters = ByteCounters(world_size=self.world_size)
         self.wire = Wire(self.comm, self.counters)
-        self._sync_initial_params(sync_params)
-        groups = optimizer.param_groups
-        self.masks = MaskSchedule(self.buckets, cfg, self.wire, lambda bs: groups[bs.layout.group_index]["betas"][0])
+        self.sync_params = sync_params
+        if sync_params:
+            joining.sync_from_rank0(self, self.buckets)
+        # The param groups are read when a mask is built: a scheduler or BaseFinetuning may have replaced them.
+        self.masks = MaskSchedule(self.buckets, cfg, self.wire, lambda bs: self._group_of(bs)["betas"][0])
         self.step_count = 0
         # Per param group, the largest learning rate seen: catch_up_cap counts steps at it.
         self.peak_lr = [0.0] * len(optimizer.param_groups)
         self.require_backward_grad_sync = True
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
+        self.grads_written_after_send = False  # param.grad changed after the last step sent it (no effect)
         self.last_used_masks: list[Tensor] | None = None  # per bucket, the mask of the last sparse step
         self._step: StepInFlight | None = None
         if cfg.dense_steps == 0:
             self.masks.begin()
-
-    @torch.no_grad()
-    def _sync_initial_params(self, enabled: bool) -> None:
-        """Rank 0's parameters everywhere: the others contribute zeros to one all-reduce (exact)."""
-        if not enabled or self.world_size == 1:
-            return
-        pending = []
-        for bs in self.buckets:
-            if self.rank != 0:
-                bs.params.zero_()
-            pending.append(self.wire.all_reduce_sum("setup", bs.params))
-        for p in pending:
-            self.wire.wait(p)
 
     # ------------------------------------------------------------------ public API
 
@@ -184,8 +173,11 @@ class ScapeEngine:
                 values in sparse steps) to this value.
             clip_value: Clamp every synchronised gradient value to ``[-clip_value, clip_value]``.
         """
+        if not self.buckets:  # every parameter frozen: nothing to send or update, and the step is not counted
+            return
         step = self._open_step()
         step.launch_in_order(all_buckets=True)
+        self.grads_written_after_send = step.grads_written_after_launch()
         if step.dense:
             self._dense_step(step, max_grad_norm, clip_value)
         else:
@@ -197,7 +189,7 @@ class ScapeEngine:
         synced = step.synced_grads()
         # 2. fp16: a step with an inf/nan gradient on any rank is skipped on every rank.
         if self.skip_nonfinite and step.any_nonfinite():
-            self._close_step(applied=False)
+            self._close_step(step, applied=False)
             return
         # 3. Clip the synchronised gradient.
         update.clip_(synced, self._clip_coef(step, max_grad_norm), clip_value)
@@ -206,15 +198,15 @@ class ScapeEngine:
         gathers = []
         for bs, g in zip(self.buckets, synced, strict=True):
             update.dense_update(bs, g, hypers[bs.layout.group_index])
-            gathers.append(self._launch_dense_param_gather(bs))
+            gathers.append(update.launch_param_gather(bs, self.wire, dense=True))
         # 5. Wait for the gathers in order.
         for pending in gathers:
             if pending is not None:
                 self.wire.wait(pending)
         # 6. After the last dense step: every coordinate counts as sent, and the first masks are built.
+        self._close_step(step, applied=True)
         if step.step == self.config.dense_steps:
             self._finish_warmup(step.step)
-        self._close_step(applied=True)
 
     def _sparse_step(self, step: StepInFlight, max_grad_norm: float | None, clip_value: float | None) -> None:
         """A sparse step at the one-step-delayed mask, phase by phase."""
@@ -224,7 +216,7 @@ class ScapeEngine:
         # 2. fp16: skip a step with an inf/nan on any rank; else the residual takes this step's gradient.
         if self.skip_nonfinite:
             if step.any_nonfinite():
-                self._close_step(applied=False)
+                self._close_step(step, applied=False)
                 return
             for bs, mask in zip(self.buckets, masks, strict=True):
                 feedback.commit(bs, mask)
@@ -236,7 +228,7 @@ class ScapeEngine:
         gathers = []
         for bs, mask, g in zip(self.buckets, masks, synced, strict=True):
             update.sparse_update(bs, mask, g, hypers[bs.layout.group_index])
-            gathers.append(self._launch_sparse_param_gather(bs))
+            gathers.append(update.launch_param_gather(bs, self.wire, dense=False))
         # 5. Build the next masks (and launch their index all-gathers) while the parameter gathers are in flight.
         self.masks.after_sparse_step(step.step)
         # 6. Wait for the gathers in order, and write the new values at the mask.
@@ -246,15 +238,17 @@ class ScapeEngine:
             update.apply_sparse(bs, mask, hypers[bs.layout.group_index].decay)
         # 7. Drop the masks this step used.
         self.masks.finish_sparse_step()
-        self._close_step(applied=True)
+        self._close_step(step, applied=True)
 
     @torch.no_grad()
     def global_grad_norm(self) -> float:
         """Global L2 norm of this step's synchronised gradient, before clipping (call after backward).
 
-        Finishes the step's synchronisation early (:meth:`step` then does not wait again). In sharded mode
-        it costs the scalar all-reduce that norm clipping uses, shared with it.
+        DDP users read it from ``param.grad`` (here this rank's own gradient). Finishes the step's synchronisation
+        early (:meth:`step` then does not wait again); sharded, at the cost of norm clipping's scalar all-reduce.
         """
+        if not self.buckets:
+            return 0.0
         step = self._open_step()
         step.launch_in_order(all_buckets=True)
         norm = step.squared_norm().sqrt()
@@ -265,12 +259,12 @@ class ScapeEngine:
         """Remove the gradient hooks and wait for collectives still in flight.
 
         Args:
-            wait: False after a failed collective: drop what is in flight instead of waiting for it.
+            wait: False after a failure: drop what is in flight (as after a failed collective of the engine's).
         """
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if not wait:
+        if not wait or self.wire.failed:
             return
         self.masks.wait_all()
         if self._step is not None:
@@ -289,11 +283,20 @@ class ScapeEngine:
         """Steps since the least recently sent coordinate of this rank's region was last sent."""
         if self.in_warmup:
             return 0
-        return max(int(self.step_count - bs.last_sent.min().item()) for bs in self.buckets)
+        return max((int(self.step_count - bs.last_sent.min().item()) for bs in self.buckets), default=0)
 
     def residual_norm(self) -> float:
         """L2 norm of this rank's error-feedback residual."""
-        return float(torch.stack([bs.residual.float().norm() for bs in self.buckets]).norm())
+        return float(torch.stack([bs.residual.float().norm() for bs in self.buckets] or [torch.zeros(())]).norm())
+
+    def add_trainable_params(self) -> int:
+        """Lay out trainable parameters that the engine does not hold yet (unfrozen, or in a param group added to
+        the optimizer; :mod:`~lightning_scape.engine.joining`). Call it between steps, on every rank.
+
+        Returns:
+            The number of parameters that joined (0: none).
+        """
+        return joining.join_trainable_params(self)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's SCAPE state (see :func:`lightning_scape.engine.state.engine_state`); every rank saves its own."""
@@ -321,7 +324,20 @@ class ScapeEngine:
         """
         return state.reshard_engine_state(self, saved)
 
+    def grad_ready(self, param: Tensor) -> None:
+        """``param``'s gradient is in its buffer, written outside autograd (FSDP's reduce-scatter): as the hook."""
+        self._on_grad_ready(param)
+
     # ------------------------------------------------------------------ the step in flight
+
+    def _group_of(self, bs: BucketState) -> dict[str, Any]:
+        return self.optimizer.param_groups[bs.layout.group_index]
+
+    def _on_grad_arriving(self, i: int, grad: Tensor) -> None:
+        # Before a gradient accumulates into bucket i (also under no_sync, or it would miss this step's launches).
+        if self._step is not None and self._step.launched(i):
+            with torch.no_grad():
+                self._step.reopen()
 
     def _on_grad_ready(self, p: Tensor) -> None:
         if not self.require_backward_grad_sync:
@@ -343,7 +359,8 @@ class ScapeEngine:
             )
         return self._step
 
-    def _close_step(self, applied: bool) -> None:
+    def _close_step(self, step: StepInFlight, applied: bool) -> None:
+        step.close()
         self.last_step_skipped = not applied
         if applied:
             self.step_count += 1
@@ -366,22 +383,6 @@ class ScapeEngine:
             update.step_hyper(g, t, self.config, peak if sparse else None)
             for g, peak in zip(groups, self.peak_lr, strict=True)
         ]
-
-    def _launch_dense_param_gather(self, bs: BucketState) -> Pending | None:
-        """Sharded: every owner's updated shard to every rank (replicated mode has the parameters already)."""
-        if not self.config.sharded:
-            return None
-        # The gradient shard is consumed: reuse it as the all-gather's send buffer.
-        send = bs.dense_synced()
-        send.copy_(bs.region_params)
-        return self.wire.all_gather("dense", bs.params, send)
-
-    def _launch_sparse_param_gather(self, bs: BucketState) -> Pending | None:
-        """Sharded: every owner's new values at its slots to every rank (replicated mode has them already)."""
-        if not self.config.sharded:
-            return None
-        assert bs.gathered is not None
-        return self.wire.all_gather("params", bs.gathered, bs.updated)
 
     def _finish_warmup(self, t: int) -> None:
         """After the last dense step: every coordinate counts as sent now, and the first masks are built."""

@@ -15,12 +15,13 @@ rebuilds them from the restored statistics.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from lightning_scape.config import ScapeConfig
 from lightning_scape.engine.masks import Mask
 
 if TYPE_CHECKING:
@@ -353,12 +354,16 @@ def _check_version(state: Any) -> None:
 
 
 def _check_config(engine: ScapeEngine, state: dict[str, Any]) -> None:
-    mine = engine.config.to_dict()
-    diff = {
-        k: (state["config"].get(k), v)
-        for k, v in mine.items()
-        if k not in _RESUMABLE_CHANGES and state["config"].get(k) != v
-    }
+    check_config(engine.config, state["config"])
+
+
+def check_config(config: ScapeConfig, saved: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` unless a state saved with configuration ``saved`` (a ``to_dict``) resumes under ``config``.
+
+    Every field must match except ``collective_timeout_s``; the message lists the fields that differ.
+    """
+    mine = config.to_dict()
+    diff = {k: (saved.get(k), v) for k, v in mine.items() if k not in _RESUMABLE_CHANGES and saved.get(k) != v}
     if diff:
         raise ValueError(
             f"SCAPE state comes from another configuration (field: (saved, current)): {diff}. Resume with "

@@ -4,6 +4,14 @@ It launches the buckets' value collectives strictly in bucket order (so every ra
 sequence even when a parameter is unused on one rank), waits for them once, and holds what the step
 derives from them: the averaged gradients, their global norm and the ranks' agreement on finiteness. A new
 one is made when a step opens and dropped when the step closes, so nothing leaks from one step to the next.
+
+Several backward passes before one step add up, as under DDP. The collectives never write the gradient
+buffers (``param.grad`` keeps this rank's gradient), so when a gradient arrives for a bucket that was already
+launched, :meth:`StepInFlight.reopen` waits for every launch, folds what they synchronised back into local
+state and starts a new round of launches from the accumulated gradients: dense steps and staged sparse steps
+send the whole accumulated gradient again (the first round's result is discarded); a sparse step whose
+residual already took the first round's gradient keeps that round's averaged values (``carry``) and sends
+only what came since, so no gradient mass is lost or counted twice.
 """
 
 from __future__ import annotations
@@ -49,7 +57,10 @@ class StepInFlight:
         n = len(buckets)
         self.ready = [0] * n  # per bucket: gradients that have arrived
         self.pending: list[Pending | None] = [None] * n  # per bucket: the value collective in flight
-        self.next_launch = 0  # buckets below this index are launched
+        self.next_launch = 0  # buckets below this index are launched (in the current round)
+        self.rounds = 1  # rounds of launches: a backward pass that reaches launched buckets starts one
+        self.carry: list[Tensor | None] = [None] * n  # per bucket: the averaged values of earlier rounds
+        self.sent_versions = [-1] * n  # per bucket: the gradient buffer's version when it was launched
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=buckets[0].params.device)
         self._synced: list[Tensor] | None = None
         self._squared_norm: Tensor | None = None
@@ -57,13 +68,21 @@ class StepInFlight:
 
     # ------------------------------------------------------------------ launches
 
+    def launched(self, i: int) -> bool:
+        """Whether bucket ``i``'s collective of the current round was launched."""
+        return i < self.next_launch
+
     def grad_ready(self, i: int) -> None:
         """A gradient of bucket ``i`` arrived (a backward hook); launch every bucket that is complete."""
-        if i < self.next_launch:
+        if self.launched(i):
+            # reopen() runs before a gradient accumulates into a launched bucket; only a gradient that bypassed
+            # that hook (written outside autograd's accumulation) gets here, and it can no longer be separated.
             raise RuntimeError(
-                "SCAPE: a gradient arrived for a bucket that was already synchronised this step "
-                "(two backward passes without an optimizer step?). Wrap all but the last backward "
-                "of a step in engine.no_sync() / Fabric's no_backward_sync."
+                "SCAPE: a gradient arrived for a bucket that was already sent this step without passing autograd's "
+                "accumulation, so it cannot join this step. Accumulate it without sending: wrap all but the last "
+                "backward pass of the step in `optimizer.toggle_model(sync_grad=False)` or "
+                "`trainer.strategy.block_backward_sync()` (Trainer), `fabric.no_backward_sync(model)` (Fabric), or "
+                "`engine.no_sync()`."
             )
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i].layout.places):
@@ -78,28 +97,76 @@ class StepInFlight:
             self.pending[i] = self._launch(i)
             self.next_launch += 1
 
+    def reopen(self) -> None:
+        """Start a new round: another backward pass is about to add gradients to buckets launched this step.
+
+        Called before any of the new gradients accumulates. Every bucket is launched (in index order, so every
+        rank issues the same collectives) and waited for; then what those rounds synchronised is folded back
+        and the buckets launch again, from their accumulated gradients, as the new gradients complete them.
+        Dense and staged sparse steps send the accumulated gradient whole again (the earlier result is
+        discarded). A sparse step whose residual took the gradient ``g`` at launch (``e' = e + g - v``) keeps
+        the averaged values as ``carry`` and takes ``g`` back out of the residual: the next launch adds the
+        accumulated gradient ``g + g2`` and sends ``(e' + g2)[mask]``, only what is new. The fp16 loss scale
+        that the launches divided out is multiplied back in, to match the scaled gradients still to come.
+        """
+        self.launch_in_order(all_buckets=True)
+        synced = self.synced_grads()
+        for i, (bs, g) in enumerate(zip(self.buckets, synced, strict=True)):
+            if not self.dense and not self.skip_nonfinite:
+                self.carry[i] = g.clone()  # synced_grads added the carry of earlier rounds already
+                bs.residual.sub_(bs.grads)
+            if self.loss_scale is not None and self.loss_scale != 1.0:
+                bs.grads.mul_(self.loss_scale)
+        n = len(self.buckets)
+        self.ready = [0] * n
+        self.pending = [None] * n
+        self.next_launch = 0
+        self._synced = self._squared_norm = None
+        self.rounds += 1
+
+    def close(self) -> None:
+        """The step is over: a dense step gives back what :meth:`~BucketState.dense_synced` borrowed."""
+        if self.dense:
+            for bs in self.buckets:
+                bs.end_dense_step()
+
+    def grads_written_after_launch(self) -> bool:
+        """Whether a gradient buffer was written after its launch: ``param.grad`` changed in place (by gradient
+        clipping of ``param.grad``, say) after it was sent, which cannot change this step."""
+        return any(bs.grads._version != v for bs, v in zip(self.buckets, self.sent_versions, strict=True))
+
     def _launch(self, i: int) -> Pending:
         """Bucket ``i``'s collective: the dense gradient in warm-up, else the compact values at the mask."""
-        bs, wire = self.buckets[i], self.wire
+        bs = self.buckets[i]
         bs.adopt_grads()
         if self.loss_scale is not None and self.loss_scale != 1.0:
             bs.grads.mul_(1.0 / self.loss_scale)
         if self.skip_nonfinite:
             self.nonfinite |= ~torch.isfinite(bs.grads).all()
-        wire.count_dense_equivalent(bs.layout.numel, bs.layout.dtype.itemsize)
-        if self.dense:
-            if self.config.sharded:
-                return wire.reduce_scatter_sum("dense", bs.dense_synced(), bs.grads)
-            return wire.all_reduce_sum("dense", bs.grads)
-        mask = self.masks.for_launch(i, self.step)
+        self.sent_versions[i] = bs.grads._version  # no collective writes grads: a later change is the user's
+        self.wire.count_dense_equivalent(bs.layout.numel, bs.layout.dtype.itemsize)
+        return self._launch_dense(bs) if self.dense else self._launch_sparse(i, bs)
+
+    def _launch_dense(self, bs: BucketState) -> Pending:
+        """The whole gradient, summed into :meth:`~BucketState.dense_synced` (never into ``grads`` itself)."""
+        if self.config.sharded:
+            return self.wire.reduce_scatter_sum("dense", bs.dense_synced(), bs.grads)
+        total = bs.dense_synced()
+        total.copy_(bs.grads)
+        return self.wire.all_reduce_sum("dense", total)
+
+    def _launch_sparse(self, i: int, bs: BucketState) -> Pending:
+        """The compact values at the mask; a later round keeps the first round's mask (``mask_delay=0`` builds
+        it from the first round's gradient)."""
+        mask = self.masks.for_launch(i, self.step) if self.rounds == 1 else self.masks.in_use(i)
         bs.k = mask.shape[1]  # the density ramp: a mask carries the slots per chunk of its step
         if self.skip_nonfinite:
             feedback.stage(bs, mask)  # the residual takes the gradient once every rank agreed on the step
         else:
             feedback.compact(bs, mask)
         if self.config.sharded:
-            return wire.reduce_scatter_sum("values", bs.sparse_synced(), bs.values)
-        return wire.all_reduce_sum("values", bs.values)
+            return self.wire.reduce_scatter_sum("values", bs.sparse_synced(), bs.values)
+        return self.wire.all_reduce_sum("values", bs.values)
 
     # ------------------------------------------------------------------ synchronised gradients
 
@@ -116,6 +183,9 @@ class StepInFlight:
                 self.pending[i] = None
                 if w > 1:
                     g.div_(w)
+                carry = self.carry[i]
+                if carry is not None:
+                    g.add_(carry)
                 synced.append(g)
             self._synced = synced
         return self._synced

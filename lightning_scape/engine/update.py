@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_scape import kernels
+from lightning_scape.comm import Pending, Wire
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine.buckets import BucketState
 from lightning_scape.kernels import AdamSHyper
@@ -83,6 +84,22 @@ def sparse_update(bucket: BucketState, mask: Tensor, averaged: Tensor, hyper: Ad
         bucket.updated,
         hyper,
     )
+
+
+def launch_param_gather(bucket: BucketState, wire: Wire, dense: bool) -> Pending | None:
+    """Sharded mode: every owner's updated values to every rank (replicated mode has the parameters already).
+
+    Dense: the updated shard (the consumed gradient shard is reused as the send buffer); sparse: the new values
+    at the region's slots.
+    """
+    if not bucket.sharded:
+        return None
+    if dense:
+        send = bucket.dense_synced()
+        send.copy_(bucket.region_params)
+        return wire.all_gather("dense", bucket.params, send)
+    assert bucket.gathered is not None
+    return wire.all_gather("params", bucket.gathered, bucket.updated)
 
 
 def apply_sparse(bucket: BucketState, mask: Tensor, decay: float) -> None:

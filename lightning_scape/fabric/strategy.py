@@ -48,17 +48,20 @@ class ScapeStrategy(DDPStrategy):
     you create must be :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``torch.optim.Adam`` (the
     last two are converted to AdamS with the same hyperparameters).
 
-    Supported: ``fabric.no_backward_sync`` for gradient accumulation (nothing is sent on accumulating
-    micro-batches), ``fabric.clip_gradients`` (by the global norm of the synchronised gradient, or by
-    value), precision ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (a step with inf/nan gradients is
-    skipped on every rank, momentum and residual untouched), ``torch.compile``, and ``fabric.save`` /
-    ``fabric.load``: every rank writes its own SCAPE state beside the checkpoint
-    (``<path>.scape/rank-XXXXX.pt``), so a resumed run continues bitwise identically. A checkpoint written by
+    Supported: ``loss.backward()`` as well as ``fabric.backward(loss)``; several backward passes per step (their
+    gradients add up, as under DDP; each sends); ``fabric.no_backward_sync`` for gradient accumulation (nothing
+    is sent on accumulating micro-batches), ``fabric.clip_gradients`` (by the global norm of the synchronised
+    gradient, or by value), precision ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (a step with inf/nan
+    gradients is skipped on every rank, momentum and residual untouched), ``torch.compile``, and ``fabric.save``
+    / ``fabric.load``: every rank writes its own SCAPE state beside the checkpoint
+    (``<path>.scape/<save id>-rank-XXXXX.pt``), so a resumed run continues bitwise identically. A checkpoint written by
     another number of processes is re-sharded when it is loaded (momentum shards, last-sent steps, residuals
     with the same global unsent gradient, new masks; ``docs/lightning.md``).
 
-    Not supported: ``fabric.load_raw`` of a SCAPE optimizer, and clipping ``param.grad`` yourself (the gradients
-    were sent during backward; use ``fabric.clip_gradients``, which clips the synchronised values).
+    Not supported: ``fabric.load_raw`` of a SCAPE optimizer, and clipping ``param.grad`` yourself: it holds this
+    rank's gradient, already sent during backward, so a change has no effect (a warning says so); use
+    ``fabric.clip_gradients``, which clips the synchronised values and returns their global norm
+    (:meth:`global_grad_norm` without clipping).
 
     Args:
         accelerator: The accelerator (Fabric picks it from ``Fabric(accelerator=...)`` when None).
@@ -145,9 +148,10 @@ class ScapeStrategy(DDPStrategy):
     ) -> tuple[Module, list[Optimizer], _LRScheduler | None]:
         """Broadcast rank 0's weights, lay the parameters out for SCAPE and wrap the optimizer."""
         if len(optimizers) != 1:
+            names = ", ".join(type(opt).__name__ for opt in optimizers)
             raise ValueError(
-                f"ScapeStrategy steps one optimizer per model, got {len(optimizers)}. Put all parameters in "
-                "param groups of one AdamS / AdamW."
+                f"ScapeStrategy steps one optimizer per model, got {len(optimizers)} ({names}). Put all parameters in "
+                "param groups of one AdamS / AdamW (a group per learning rate)."
             )
         module = self.setup_module(module)
         return module, [self.setup_optimizer(optimizers[0])], scheduler
@@ -172,15 +176,6 @@ class ScapeStrategy(DDPStrategy):
         return scape
 
     # ----------------------------------------------------------------------------------------- a step
-
-    @override
-    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        """Backward: each bucket's collective launches from the hooks as soon as its gradients are complete."""
-        try:
-            super().backward(tensor, module, *args, **kwargs)
-        except BaseException:
-            self._failed = True
-            raise
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
@@ -232,6 +227,14 @@ class ScapeStrategy(DDPStrategy):
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         """Clamp every synchronised gradient value to ``[-clip_val, clip_val]`` in the coming step."""
         self._scape_optimizer_of(optimizer).request_clip(clip_value=float(clip_val))
+
+    def global_grad_norm(self) -> Tensor:
+        """The global L2 norm of this step's synchronised gradient; call it after backward, before the step.
+
+        What DDP users compute from ``param.grad``, which here holds this rank's own gradient
+        (``docs/lightning.md``). It finishes the step's synchronisation early, at no cost when the step follows.
+        """
+        return torch.tensor(self.engine.global_grad_norm(), device=self.root_device)
 
     def _scape_optimizer_of(self, optimizer: Any) -> ScapeOptimizer:
         opt = unwrap_optimizer(optimizer)
@@ -322,10 +325,9 @@ class ScapeStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Remove the engines' hooks (without waiting on collectives when a rank failed)."""
+        """Remove the engines' hooks (without waiting on collectives when a rank failed), stop the heartbeat."""
         self._note_end_of_run()
-        for opt in self._scape_optimizers:
-            opt.engine.close(wait=not self._failed)
+        engine_setup.close_engines(self._scape_optimizers, wait=not self._failed)
         super().teardown()
 
     def warn_if_all_dense(self, planned_steps: float | None) -> None:
@@ -343,7 +345,7 @@ class ScapeStrategy(DDPStrategy):
 
     def _note_end_of_run(self) -> None:
         """Warn (once, rank 0) if the run ended inside its dense warm-up; called at teardown and at exit."""
-        if self._failed:
+        if self._failed or any(opt.engine.wire.failed for opt in self._scape_optimizers):
             return
         for opt in self._scape_optimizers:
             self._warmup_notice.after_run(opt.engine)

@@ -7,8 +7,7 @@ shares with the Fabric's (``lightning_scape/fabric/strategy.py``) lives in
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from types import MethodType
@@ -19,18 +18,27 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring import checkpoint_protocol, engine_setup, loss_scaling, registry, warmup_notice
+from lightning_scape.wiring import (
+    checkpoint_protocol,
+    engine_setup,
+    local_grads,
+    loss_scaling,
+    registry,
+    warmup_notice,
+)
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
 
@@ -46,18 +54,24 @@ class ScapeStrategy(DDPStrategy):
     ``torch.optim.Adam`` (the last two are converted to AdamS with the same hyperparameters), with any LR
     scheduler.
 
-    Supported: ``accumulate_grad_batches`` (nothing is sent on accumulating micro-batches),
-    ``gradient_clip_val`` by norm (the global norm of the synchronised gradient) or by value, precision
-    ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (a step with inf/nan gradients is skipped on every
-    rank, momentum and residual untouched), ``torch.compile``, validation and the sanity check, the
-    ``DistributedSampler``, and checkpoints: every rank writes its own SCAPE state beside the checkpoint
-    file (``<file>.scape/rank-XXXXX.pt``), so ``trainer.fit(..., ckpt_path=...)`` continues bitwise
-    identically. A checkpoint written by another number of processes is re-sharded when it is loaded
-    (``docs/lightning.md``). The checkpoint file itself is an ordinary Lightning checkpoint (the model is
-    replicated), loadable with ``LightningModule.load_from_checkpoint``.
+    Supported: ``accumulate_grad_batches`` (nothing is sent on accumulating micro-batches), manual
+    optimization with several ``manual_backward`` calls per step (their gradients add up, as under DDP; each
+    sends unless wrapped in ``optimizer.toggle_model(sync_grad=False)``), ``gradient_clip_val`` by norm (the
+    global norm of the synchronised gradient) or by value, precision ``"32-true"``, ``"bf16-mixed"`` and
+    ``"16-mixed"`` (a step with inf/nan gradients is skipped on every rank, momentum and residual untouched),
+    ``torch.compile``, validation and the sanity check, the ``DistributedSampler``, ``LearningRateMonitor``,
+    ``StochasticWeightAveraging``, ``BaseFinetuning`` (param groups added or parameters unfrozen after set-up
+    join the engine), and checkpoints: every rank writes its own SCAPE state beside the checkpoint file
+    (``<file>.scape/<save id>-rank-XXXXX.pt``), so ``trainer.fit(..., ckpt_path=...)`` continues bitwise
+    identically; the checkpoint is restored before set-up, as with DDP. A checkpoint written by another number of
+    processes is re-sharded when it is loaded (``docs/lightning.md``). The checkpoint file itself is an ordinary
+    Lightning checkpoint (the model is replicated), loadable with ``LightningModule.load_from_checkpoint``.
 
-    Not supported: clipping ``param.grad`` yourself, e.g. in ``on_before_optimizer_step`` (the gradients were sent
-    during backward; use ``gradient_clip_val``, which clips the synchronised values).
+    Not supported: clipping ``param.grad`` yourself, e.g. in ``on_before_optimizer_step``: it holds this rank's
+    gradient, already sent during backward, so a change has no effect (a warning says so); use
+    ``gradient_clip_val`` or ``self.clip_gradients``, which clip the synchronised values, and
+    :meth:`global_grad_norm` for their norm (a warning also says when Lightning's ``grad_norm`` of
+    ``param.grad`` is logged).
 
     Args:
         accelerator: The accelerator (the Trainer picks it from ``Trainer(accelerator=...)`` when None).
@@ -102,8 +116,9 @@ class ScapeStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._failed = False
-        self._pending_full_states: list[dict[str, Any]] | None = None
+        self._pending_states: checkpoint_protocol.PendingStates | None = None  # read before set-up, loaded after
         self._warmup_notice = warmup_notice.WarmupNotice()
+        self._grad_norm_notice = local_grads.LocalGradNormNotice()
 
     @property
     def scape_optimizers(self) -> list[ScapeOptimizer]:
@@ -138,28 +153,46 @@ class ScapeStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _redirect_clipping(self.precision_plugin)
-            self._warmup_notice = warmup_notice.WarmupNotice()  # a new fit may warn again
-            self.warn_if_all_dense(_planned_steps(trainer))
+            self._warmup_notice = warmup_notice.WarmupNotice()  # a new fit may warn again (on_train_start)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """Create the user's optimizer and schedulers, then hand the optimizer to a SCAPE engine."""
         super().setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
+        if any(isinstance(opt, _MockOptimizer) for opt in self.optimizers):  # what Lightning puts in for None
             raise ValueError(
-                f"ScapeStrategy steps one optimizer, but configure_optimizers returned {len(self.optimizers)}. "
-                "Put all parameters in param groups of one AdamS / AdamW."
+                "configure_optimizers returned None, but ScapeStrategy steps the optimizer itself (a fit without an "
+                "optimizer has nothing to synchronise gradients for). Return lightning_scape.AdamS(self.parameters(), "
+                "lr=...), or a torch.optim.AdamW / Adam, from configure_optimizers."
+            )
+        if len(self.optimizers) != 1:
+            names = ", ".join(type(opt).__name__ for opt in self.optimizers)
+            raise ValueError(
+                f"ScapeStrategy steps one optimizer, but configure_optimizers returned {len(self.optimizers)} "
+                f"({names}): SCAPE synchronises the gradients inside that one optimizer's step. Put all parameters in "
+                "param groups of one AdamS / AdamW (a group per learning rate), or use strategy='ddp' for several."
             )
         assert self.model is not None
         scaler = loss_scaling.grad_scaler_of(self.precision_plugin)
         scape = engine_setup.build_scape_optimizer(self.optimizers[0], self.scape_config, self.model, scaler)
         self.optimizers = [scape]
 
+    @override
+    def on_train_start(self) -> None:
+        """Warn (:meth:`warn_if_all_dense`) before the first training batch, once the train dataloader exists.
+
+        Not at set-up: ``trainer.estimated_stepping_batches`` would build the train dataloader before
+        ``on_fit_start``, out of Lightning's hook order.
+        """
+        super().on_train_start()
+        assert self.lightning_module is not None
+        self.warn_if_all_dense(_planned_steps(self.lightning_module.trainer))
+
     def warn_if_all_dense(self, planned_steps: float | None) -> None:
         """Warn once, on rank 0, if the fit's steps would all be sent dense (a ``DenseWarmupWarning``).
 
-        Set-up calls it with ``trainer.estimated_stepping_batches``; when that is not known, the warning comes
-        at the end of the fit instead.
+        :meth:`on_train_start` calls it with ``trainer.estimated_stepping_batches``; when that is not known, the
+        warning comes at the end of the fit instead.
 
         Args:
             planned_steps: The optimizer steps the fit will take; None or inf when not known (then nothing is
@@ -168,6 +201,24 @@ class ScapeStrategy(DDPStrategy):
         self._warmup_notice.before_run(self.scape_config, planned_steps)
 
     # ----------------------------------------------------------------------------------------- a step
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Warn once if the metrics logged so far hold Lightning's ``grad_norm`` of ``param.grad`` (local values)."""
+        super().on_train_batch_start(batch, batch_idx)
+        module = self.lightning_module
+        results = None if module is None else module.trainer._results
+        if results is not None and not self._grad_norm_notice.given:
+            self._grad_norm_notice.check(results.keys())
+
+    def global_grad_norm(self) -> Tensor:
+        """The global L2 norm of this step's synchronised gradient; call it after backward, before the step (in
+        ``on_before_optimizer_step``, say).
+
+        What DDP users compute from ``param.grad``, which here holds this rank's own gradient
+        (``docs/lightning.md``). It finishes the step's synchronisation early, at no cost when the step follows.
+        """
+        return torch.tensor(self.engine.global_grad_norm(), device=self.root_device)
 
     @contextmanager
     @override
@@ -203,12 +254,6 @@ class ScapeStrategy(DDPStrategy):
         return out
 
     # ------------------------------------------------------------------------------------- checkpoints
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Restore after set-up, so the engine exists and a checkpoint can be checked before anything loads."""
-        return True
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -249,49 +294,67 @@ class ScapeStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read the checkpoint and this rank's SCAPE file; check everything before Lightning loads anything.
+        """Read the checkpoint and this rank's SCAPE file, and check them, before Lightning restores anything.
 
-        Every rank checks its own file; if any rank finds a problem, all of them stop with the error.
+        Lightning calls this before set-up, as for DDP (the model and callbacks, e.g. ``StochasticWeightAveraging``,
+        are restored before their set-up hooks see them). Everything that does not need the engine is checked here,
+        on every rank (files, save ids, format, configuration, the model's state); the rest (the bucket layout,
+        and the re-sharding of a checkpoint from another world size) when the optimizer states are restored
+        (:meth:`load_optimizer_state_dict`). If any rank finds a problem, all of them stop with the error.
         """
-        checkpoint, full = checkpoint_protocol.read_and_check(
+        checkpoint, pending = checkpoint_protocol.read_checkpoint(
             self.checkpoint_io,
             checkpoint_path,
-            lambda main: self._load_plan(main, f"Checkpoint {os.fspath(checkpoint_path)!r}"),
+            self._load_plan,
             rank=self.global_rank,
             world_size=self.world_size,
             weights_only=weights_only,
         )
-        if full:  # Lightning loads the full states where the stubs were
-            checkpoint["optimizer_states"] = [full[_state_key(i)] for i in range(len(full))]
+        self._pending_states = pending if pending.stubs else None
         return checkpoint
 
-    def _load_plan(self, checkpoint: dict[str, Any], where: str) -> checkpoint_protocol.LoadPlan:
+    def _load_plan(self, checkpoint: dict[str, Any]) -> checkpoint_protocol.LoadPlan:
         """What a resumed fit loads from ``checkpoint``: its SCAPE optimizers' states and the module's.
 
         Args:
             checkpoint: The main checkpoint file's contents.
-            where: The checkpoint, as error messages name it.
 
         Returns:
-            The plan for :func:`~lightning_scape.wiring.checkpoint_protocol.read_and_check`: nothing to check when
+            The plan for :func:`~lightning_scape.wiring.checkpoint_protocol.read_checkpoint`: nothing to check when
             not fitting (validate/test/predict) or for a weights-only checkpoint.
         """
-        opts = self.scape_optimizers
-        states = checkpoint.get("optimizer_states")
-        if not opts or states is None:
-            return checkpoint_protocol.LoadPlan()
-        if len(states) != len(opts):
-            raise ValueError(f"{where} has {len(states)} optimizer states, this run {len(opts)}. Nothing was loaded.")
-        keys = [_state_key(i) for i in range(len(states))]
-        modules: dict[str, tuple[Module, Any, bool]] = {}
         module = self.lightning_module
-        if module is not None and "state_dict" in checkpoint:
+        states = checkpoint.get("optimizer_states")
+        if module is None or module.trainer.state.fn != TrainerFn.FITTING or states is None:
+            return checkpoint_protocol.LoadPlan()
+        modules: dict[str, tuple[Module, Any, bool]] = {}
+        if "state_dict" in checkpoint:
             modules["state_dict"] = (module, checkpoint["state_dict"], module.strict_loading)
         return checkpoint_protocol.LoadPlan(
-            stubs=dict(zip(keys, states, strict=True)),
-            optimizers=dict(zip(keys, opts, strict=True)),
-            modules=modules,
+            stubs={_state_key(i): s for i, s in enumerate(states)}, modules=modules, config=self.scape_config
         )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Check the SCAPE states against the engine (re-sharding them on another world size), then load them.
+
+        Every rank checks its own; if any rank finds a problem, all of them stop with the error before any
+        optimizer state is loaded.
+        """
+        pending, self._pending_states = self._pending_states, None
+        if pending is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        opts = self.scape_optimizers
+        if len(pending.stubs) != len(opts):
+            raise ValueError(
+                f"Checkpoint {pending.path!r} has {len(pending.stubs)} optimizer states, this run {len(opts)}. "
+                "No optimizer state was loaded."
+            )
+        keys = [_state_key(i) for i in range(len(opts))]
+        full = checkpoint_protocol.complete_load(self.checkpoint_io, pending, dict(zip(keys, opts, strict=True)))
+        # Lightning loads the full states where the stubs were.
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": [full[k] for k in keys]})
 
     # -------------------------------------------------------------------------------------- lifecycle
 
@@ -303,11 +366,12 @@ class ScapeStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Remove the engine's hooks and the clipping redirect, then DDP's teardown."""
+        """Remove the engine's hooks and the clipping redirect, stop the heartbeat, then DDP's teardown."""
+        self._pending_states = None
         for opt in self.scape_optimizers:
             if not self._failed:  # a fit whose length was not known at the start (early stopping, ...)
                 self._warmup_notice.after_run(opt.engine)
-            opt.engine.close(wait=not self._failed)
+        engine_setup.close_engines(self.scape_optimizers, wait=not self._failed)  # stops the heartbeat too
         _restore_clipping(self.precision_plugin)
         super().teardown()
 

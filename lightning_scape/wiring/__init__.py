@@ -8,5 +8,7 @@ One module per concern, each used by both adapters (:mod:`lightning_scape.fabric
 * :mod:`~lightning_scape.wiring.loss_scaling`: fp16 loss scaling;
 * :mod:`~lightning_scape.wiring.warmup_notice`: :class:`DenseWarmupWarning`, a run that never leaves its dense steps;
 * :mod:`~lightning_scape.wiring.checkpoint_protocol`: the checkpoint protocol (main file, per-rank SCAPE files);
-* :mod:`~lightning_scape.wiring.registry`: the names ``"scape"`` and ``"scape_spawn"``.
+* :mod:`~lightning_scape.wiring.registry`: the names ``"scape"``, ``"scape_spawn"`` and ``"scape_fsdp"``;
+* :mod:`~lightning_scape.wiring.fsdp`: ``ScapeFSDPStrategy``'s grid, FSDP2 sharding and the engine on each shard;
+* :mod:`~lightning_scape.wiring.fsdp_checkpoint`: its checkpoint folders (one file per rank and ``meta.pt``).
 """

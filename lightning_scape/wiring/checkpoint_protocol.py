@@ -3,15 +3,20 @@
 A SCAPE optimizer's state is per rank (momentum shard, unsent-gradient residual, masks), so a checkpoint is
 two things: the main file, written by rank 0, which holds the model (replicated) and for each SCAPE
 optimizer a small stub (hyperparameters, world size, configuration, a save id), and
-``<checkpoint>.scape/rank-XXXXX.pt``, written by each rank, which holds that rank's full optimizer states.
-The save id ties the rank files to their main file. Loading reads and checks everything before anything
-is loaded, and all ranks agree on the outcome (:func:`agree`), so no rank goes on alone. On another world
-size than the one that wrote the checkpoint, every rank reads all the rank files, one at a time, and
-re-shards them into its own state (:func:`load_rank_states`).
+``<checkpoint>.scape/<save id>-rank-XXXXX.pt``, written by each rank, which holds that rank's full optimizer
+states. The save id ties the rank files to their main file, and puts it in their names: every save's files
+have names of their own, so loaders that cache remote files by name (``torch.hub`` for ``http://``) never
+hand back another checkpoint's file. Files of format 1 (``rank-XXXXX.pt``, no id in the name) are still
+read. Loading reads and checks everything before anything is loaded, and all ranks agree on the outcome
+(:func:`agree`), so no rank goes on alone. On another world size than the one that wrote the checkpoint,
+every rank reads all the rank files, one at a time, and re-shards them into its own state
+(:func:`load_rank_states`).
 
-The Fabric and the Trainer strategies differ only in where the optimizer states sit in the main file
-(Fabric: under the user's keys; the Trainer: in ``optimizer_states``), so both call the same two steps:
-:func:`save_scape_checkpoint` and :func:`read_and_check`.
+The Fabric and the Trainer strategies differ in where the optimizer states sit in the main file (Fabric:
+under the user's keys; the Trainer: in ``optimizer_states``) and in when their optimizers exist, so both save
+with :func:`save_scape_checkpoint`; Fabric loads with :func:`read_and_check`, and the Trainer, which restores
+a checkpoint before its set-up as DDP does, reads and checks it in two steps: :func:`read_checkpoint` before
+the set-up, :func:`complete_load` once its engine exists.
 """
 
 from __future__ import annotations
@@ -27,15 +32,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
+
+from lightning_scape.config import ScapeConfig
+from lightning_scape.engine.state import check_config
 
 if TYPE_CHECKING:
     from lightning_scape.engine import ScapeEngine
     from lightning_scape.wiring.optimizer import ScapeOptimizer
 
-CHECKPOINT_FORMAT = 1
+# Format 2: the rank files' names hold the save id (format 1: ``rank-XXXXX.pt``, still read).
+CHECKPOINT_FORMAT = 2
+_READABLE_FORMATS = (1, 2)
+_RANK_FILE = re.compile(r"^(?:(?P<save_id>.+)-)?rank-(?P<rank>\d{5})\.pt$")
 _STUB_KEY = "scape_checkpoint"
 _RANK_KEY = "scape_rank_state"
 # What both strategies name the barrier between the rank files and the main file (Lightning ignores the name).
@@ -81,6 +93,10 @@ def save_scape_checkpoint(
     barrier(_SAVE_BARRIER)
     if rank == 0:
         io.save_checkpoint(main, path, storage_options=storage_options)
+        # The files of an earlier save to the same path: every rank has written its new file (the barrier).
+        for stale in _listed_rank_files(path, keep=save_id):
+            with contextlib.suppress(Exception):
+                io.remove_checkpoint(stale)
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,8 @@ class LoadPlan:
         required: Keys the main file must hold (else ``KeyError``).
         name_keys: Whether error messages name the key: Fabric's keys are the user's names, the Trainer's are
             its own.
+        config: The configuration the stubs' must match, checked before any rank file is read (the Trainer,
+            whose engine does not exist yet; with ``optimizers`` their engines check it).
     """
 
     stubs: dict[str, Any] = field(default_factory=dict)
@@ -102,6 +120,29 @@ class LoadPlan:
     modules: dict[str, tuple[Module, Any, bool]] = field(default_factory=dict)
     required: tuple[str, ...] = ()
     name_keys: bool = False
+    config: ScapeConfig | None = None
+
+
+@dataclass(frozen=True)
+class PendingStates:
+    """A checkpoint's SCAPE states as :func:`read_checkpoint` found them, for :func:`complete_load` to finish.
+
+    Attributes:
+        path: The main checkpoint file.
+        stubs: Per key, the stub of a SCAPE optimizer in the main file.
+        saved_world_size: The number of ranks that wrote the checkpoint.
+        full: Per key, this rank's full state from its own rank file (read when the world size is the same);
+            None: the rank files are re-sharded once the engines exist.
+        name_keys: Whether error messages name the key (see :class:`LoadPlan`).
+        weights_only: Passed on to the checkpoint IO.
+    """
+
+    path: str
+    stubs: dict[str, Any]
+    saved_world_size: int
+    full: dict[str, dict[str, Any]] | None
+    name_keys: bool = False
+    weights_only: bool | None = None
 
 
 def read_and_check(
@@ -136,45 +177,125 @@ def read_and_check(
     checkpoint: dict[str, Any] = {}
     full: dict[str, dict[str, Any]] = {}
     try:
-        checkpoint, full = _read_and_check(io, path, plan, rank, world_size, weights_only)
+        checkpoint, pending, expected = _read(io, path, plan, rank, world_size, weights_only)
+        full = _complete(io, pending, expected.optimizers)
     except Exception as exc:
         error = exc
     agree(error, f"Loading checkpoint {os.fspath(path)!r}")
     return checkpoint, full
 
 
-def _read_and_check(
+def read_checkpoint(
+    io: CheckpointIO,
+    path: _PATH,
+    plan: Callable[[dict[str, Any]], LoadPlan],
+    *,
+    rank: int,
+    world_size: int,
+    weights_only: bool | None,
+) -> tuple[dict[str, Any], PendingStates]:
+    """The first half of :func:`read_and_check`, for a strategy whose optimizers do not exist yet; loads nothing.
+
+    Called on every rank. Each reads the main file, checks the stubs (format, configuration against the
+    plan's), reads its own rank file when the world size is the one that wrote the checkpoint, and checks the
+    module states; then all ranks agree (:func:`agree`). :func:`complete_load` finishes once the engines exist.
+
+    Args:
+        io: The strategy's checkpoint IO.
+        path: The main checkpoint file.
+        plan: Given the main file's contents, what the strategy will load from it (no optimizers yet).
+        rank: This rank (its global rank).
+        world_size: The current number of ranks.
+        weights_only: Passed on to the checkpoint IO.
+
+    Returns:
+        The main file's contents, and what :func:`complete_load` needs.
+    """
+    error: BaseException | None = None
+    checkpoint: dict[str, Any] = {}
+    pending = PendingStates(os.fspath(path), {}, world_size, {})
+    try:
+        checkpoint, pending, _ = _read(io, path, plan, rank, world_size, weights_only)
+    except Exception as exc:
+        error = exc
+    agree(error, f"Loading checkpoint {os.fspath(path)!r}")
+    return checkpoint, pending
+
+
+def complete_load(
+    io: CheckpointIO, pending: PendingStates, optimizers: dict[str, ScapeOptimizer]
+) -> dict[str, dict[str, Any]]:
+    """The second half of :func:`read_and_check`: the full states checked against the optimizers that load them.
+
+    Called on every rank, at the same point: on another world size it reads every rank file and re-shards them.
+    Then all ranks agree (:func:`agree`).
+
+    Args:
+        io: The strategy's checkpoint IO.
+        pending: What :func:`read_checkpoint` read.
+        optimizers: Per key of ``pending.stubs``, the SCAPE optimizer that will load the state.
+
+    Returns:
+        Per key, the full optimizer state to load.
+    """
+    error: BaseException | None = None
+    full: dict[str, dict[str, Any]] = {}
+    try:
+        full = _complete(io, pending, optimizers)
+    except Exception as exc:
+        error = exc
+    agree(error, f"Loading checkpoint {pending.path!r}")
+    return full
+
+
+def _read(
     io: CheckpointIO,
     path: _PATH,
     plan: Callable[[dict[str, Any]], LoadPlan],
     rank: int,
     world_size: int,
     weights_only: bool | None,
-) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """One rank's part of :func:`read_and_check`: raises on the first problem."""
+) -> tuple[dict[str, Any], PendingStates, LoadPlan]:
+    """One rank's part of :func:`read_checkpoint`: raises on the first problem."""
     checkpoint = load_main_checkpoint(io, path, weights_only)
     expected = plan(checkpoint)
-    engines = {k: opt.engine for k, opt in expected.optimizers.items()}
-    full = load_rank_states(io, path, expected.stubs, rank, world_size, weights_only, engines=engines)
-    where = f"Checkpoint {os.fspath(path)!r}"
-
-    def label(key: str) -> str:
-        return f"{where}, {key!r}" if expected.name_keys else where
-
-    for k, opt in expected.optimizers.items():
-        try:
-            opt.check_state_dict(full[k])
-        except ValueError as exc:
-            raise ValueError(f"{label(k)}: {exc} Nothing was loaded.") from exc
+    saved_world_size = check_stubs(path, expected.stubs, expected.config)
+    full: dict[str, dict[str, Any]] | None = {}
+    if expected.stubs and saved_world_size == world_size:
+        full = _read_rank_file(io, path, rank, expected.stubs, weights_only)
+    elif expected.stubs:
+        full = None  # another world size: re-sharded once the engines exist (complete_load)
     for k, (module, state, strict) in expected.modules.items():
-        check_module_state(module, state, strict, label(k))
+        check_module_state(module, state, strict, _label(path, k, expected.name_keys))
     missing = [k for k in expected.required if k not in checkpoint]
     if missing:
         raise KeyError(
             f"The requested state contains a key {missing[0]!r} that does not exist in the loaded checkpoint. "
             "To disable strict loading, set `strict=False`."
         )
-    return checkpoint, full
+    pending = PendingStates(os.fspath(path), expected.stubs, saved_world_size, full, expected.name_keys, weights_only)
+    return checkpoint, pending, expected
+
+
+def _complete(
+    io: CheckpointIO, pending: PendingStates, optimizers: dict[str, ScapeOptimizer]
+) -> dict[str, dict[str, Any]]:
+    """One rank's part of :func:`complete_load`: raises on the first problem."""
+    full = pending.full
+    if full is None:  # another world size: every rank file, re-sharded into this rank's engines
+        engines = {k: opt.engine for k, opt in optimizers.items()}
+        full = _reshard_rank_files(io, pending.path, pending.stubs, engines, pending.weights_only)
+    for k, opt in optimizers.items():
+        try:
+            opt.check_state_dict(full[k])
+        except ValueError as exc:
+            raise ValueError(f"{_label(pending.path, k, pending.name_keys)}: {exc} Nothing was loaded.") from exc
+    return full
+
+
+def _label(path: _PATH, key: str, name_keys: bool) -> str:
+    where = f"Checkpoint {os.fspath(path)!r}"
+    return f"{where}, {key!r}" if name_keys else where
 
 
 # ---------------------------------------------------------------------------------------------- the files
@@ -188,9 +309,29 @@ def rank_state_dir(path: str | os.PathLike[str]) -> str:
     return p.rstrip("/") + ".scape"
 
 
-def rank_state_path(path: str | os.PathLike[str], rank: int) -> str:
-    """This rank's SCAPE file of checkpoint ``path``."""
-    return f"{rank_state_dir(path)}/rank-{rank:05d}.pt"
+def rank_state_path(path: str | os.PathLike[str], rank: int, save_id: str | None) -> str:
+    """Rank ``rank``'s SCAPE file of checkpoint ``path``, written by the save ``save_id`` (None: format 1's name)."""
+    name = f"rank-{rank:05d}.pt" if save_id is None else f"{save_id}-rank-{rank:05d}.pt"
+    return f"{rank_state_dir(path)}/{name}"
+
+
+def _listed_rank_files(path: str | os.PathLike[str], rank: int | None = None, keep: str | None = None) -> list[str]:
+    """The rank files in the directory beside ``path`` (of ``rank``, or all; not those of the save ``keep``).
+
+    As the checkpoint's filesystem lists them; none where it cannot list (an ``http://`` checkpoint).
+    """
+    directory = rank_state_dir(path)
+    try:
+        listed = get_filesystem(directory).ls(directory, detail=False)
+    except Exception:  # no directory, or a filesystem that cannot list
+        return []
+    files = []
+    for entry in listed:
+        name = str(entry).rstrip("/").rsplit("/", 1)[-1]
+        found = _RANK_FILE.match(name)
+        if found and (rank is None or int(found["rank"]) == rank) and (keep is None or found["save_id"] != keep):
+            files.append(f"{directory}/{name}")
+    return files
 
 
 def is_scape_state(obj: Any) -> bool:
@@ -218,7 +359,7 @@ def make_stub(state: dict[str, Any], save_id: str) -> dict[str, Any]:
             "world_size": scape["world_size"],
             "config": scape["config"],
             "step_count": scape["step_count"],
-            "rank_files": "<checkpoint>.scape/rank-XXXXX.pt",
+            "rank_files": f"<checkpoint>.scape/{save_id}-rank-XXXXX.pt",
         },
         "state": {},
         "param_groups": state["param_groups"],
@@ -244,7 +385,7 @@ def save_rank_states(
             "optimizers": states,
         }
     }
-    io.save_checkpoint(payload, rank_state_path(path, rank), storage_options=storage_options)
+    io.save_checkpoint(payload, rank_state_path(path, rank, save_id), storage_options=storage_options)
 
 
 def load_main_checkpoint(io: CheckpointIO, path: str | os.PathLike[str], weights_only: bool | None) -> dict[str, Any]:
@@ -306,6 +447,31 @@ def load_rank_states(
     Returns:
         Per key, the full optimizer state to load.
     """
+    saved_world_size = check_stubs(path, stubs)
+    if not stubs:
+        return {}
+    if saved_world_size == world_size:
+        return _read_rank_file(io, path, rank, stubs, weights_only)
+    if engines is None:
+        raise ValueError(
+            f"Checkpoint {os.fspath(path)!r} was written by {saved_world_size} ranks, but this run has {world_size}, "
+            "and no engine was given to re-shard its SCAPE state. Nothing was loaded."
+        )
+    return _reshard_rank_files(io, path, stubs, engines, weights_only)
+
+
+def check_stubs(path: str | os.PathLike[str], stubs: Mapping[str, Any], config: ScapeConfig | None = None) -> int:
+    """Raise ``ValueError`` unless ``stubs`` are SCAPE stubs of one save in a format this version reads.
+
+    Args:
+        path: The main checkpoint file (for the messages).
+        stubs: Per key, what the main file holds where a SCAPE optimizer's stub should be.
+        config: When given, the configuration the stubs must have been saved with (``collective_timeout_s`` may
+            differ).
+
+    Returns:
+        The number of ranks that wrote the checkpoint (0 without stubs).
+    """
     where = os.fspath(path)
     for key, stub in stubs.items():
         if not is_scape_stub(stub):
@@ -316,26 +482,25 @@ def load_rank_states(
                 "the model weights (e.g. model.load_state_dict(...)) and train without ckpt_path."
             )
         meta = stub[_STUB_KEY]
-        if meta.get("format") != CHECKPOINT_FORMAT:
+        if meta.get("format") not in _READABLE_FORMATS:
             raise ValueError(
-                f"Checkpoint {where!r} uses SCAPE checkpoint format {meta.get('format')!r}; this "
-                f"version reads {CHECKPOINT_FORMAT}."
+                f"Checkpoint {where!r} uses SCAPE checkpoint format {meta.get('format')!r}; this version reads "
+                f"formats {list(_READABLE_FORMATS)}: resume it with the lightning_scape version that wrote it, or "
+                "start a new run from its model weights. Nothing was loaded."
             )
+        if config is not None:
+            try:
+                check_config(config, meta["config"])
+            except ValueError as exc:
+                raise ValueError(f"Checkpoint {where!r}: {exc} Nothing was loaded.") from exc
     if not stubs:
-        return {}
-    ids = {stub[_STUB_KEY]["save_id"] for stub in stubs.values()}
+        return 0
+    if len({stub[_STUB_KEY]["save_id"] for stub in stubs.values()}) != 1:
+        raise ValueError(f"Checkpoint {where!r} holds SCAPE stubs of different saves. Nothing was loaded.")
     saved_world = {stub_world_size(stub) for stub in stubs.values()}
     if len(saved_world) != 1:
         raise ValueError(f"Checkpoint {where!r} has SCAPE optimizers written by {sorted(saved_world)} ranks.")
-    (saved_world_size,) = saved_world
-    if saved_world_size == world_size:
-        return _read_rank_file(io, path, rank, stubs, ids, weights_only)
-    if engines is None:
-        raise ValueError(
-            f"Checkpoint {where!r} was written by {saved_world_size} ranks, but this run has {world_size}, and no "
-            "engine was given to re-shard its SCAPE state. Nothing was loaded."
-        )
-    return _reshard_rank_files(io, path, stubs, ids, saved_world_size, engines, weights_only)
+    return saved_world.pop()
 
 
 def stub_world_size(stub: Mapping[str, Any]) -> int:
@@ -343,12 +508,16 @@ def stub_world_size(stub: Mapping[str, Any]) -> int:
     return int(stub[_STUB_KEY]["world_size"])
 
 
+def _rank_file(path: str | os.PathLike[str], rank: int, stubs: Mapping[str, Any]) -> str:
+    """Rank ``rank``'s file of the save the (checked) ``stubs`` belong to."""
+    meta = next(iter(stubs.values()))[_STUB_KEY]
+    return rank_state_path(path, rank, None if meta["format"] == 1 else meta["save_id"])
+
+
 def _reshard_rank_files(
     io: CheckpointIO,
     path: str | os.PathLike[str],
     stubs: dict[str, Any],
-    ids: set[str],
-    saved_world_size: int,
     engines: Mapping[str, ScapeEngine],
     weights_only: bool | None,
 ) -> dict[str, dict[str, Any]]:
@@ -358,21 +527,21 @@ def _reshard_rank_files(
     missing = sorted(set(stubs) - set(engines))
     if missing:
         raise ValueError(f"No engine to re-shard the SCAPE state of {missing} into. Nothing was loaded.")
+    saved_world_size = stub_world_size(next(iter(stubs.values())))
     resharders = {k: StateResharder(engines[k], saved_world_size) for k in stubs}
     param_groups: dict[str, Any] = {}
     for old_rank in range(saved_world_size):
-        states = _read_rank_file(io, path, old_rank, stubs, ids, weights_only, saved_world_size)
+        states = _read_rank_file(io, path, old_rank, stubs, weights_only, saved_world_size)
+        file = _rank_file(path, old_rank, stubs)
         for k, full in states.items():
             if not is_scape_state(full):
-                raise ValueError(
-                    f"{rank_state_path(path, old_rank)!r} holds no SCAPE state for {k!r}. Nothing was loaded."
-                )
+                raise ValueError(f"{file!r} holds no SCAPE state for {k!r}. Nothing was loaded.")
             try:
                 resharders[k].add(full["scape"])
             except ValueError as exc:
                 raise ValueError(
-                    f"{rank_state_path(path, old_rank)!r} cannot be re-sharded from {saved_world_size} to "
-                    f"{engines[k].world_size} ranks: {exc} Nothing was loaded."
+                    f"{file!r} cannot be re-sharded from {saved_world_size} to {engines[k].world_size} ranks: "
+                    f"{exc} Nothing was loaded."
                 ) from exc
             param_groups.setdefault(k, full["param_groups"])
         del states  # keep at most one saved rank's state in memory
@@ -384,17 +553,23 @@ def _read_rank_file(
     path: str | os.PathLike[str],
     rank: int,
     stubs: dict[str, Any],
-    ids: set[str],
     weights_only: bool | None,
     saved_world_size: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Rank ``rank``'s file of checkpoint ``path``, checked to belong to it; its states for the stubs' keys."""
     where = os.fspath(path)
-    file = rank_state_path(path, rank)
+    file = _rank_file(path, rank, stubs)
     of = "" if saved_world_size is None else f" (of {saved_world_size}: re-sharding reads every rank's file)"
     try:
         payload = io.load_checkpoint(file, weights_only=weights_only)
     except FileNotFoundError as exc:
+        others = [name.rsplit("/", 1)[-1] for name in _listed_rank_files(path, rank)]
+        if others:
+            raise ValueError(
+                f"SCAPE state of rank {rank}{of} is missing: expected {file!r}; the directory holds {others}, which "
+                f"does not belong to checkpoint {where!r} (written by another save). Copy the checkpoint file "
+                "and its '.scape' directory together. Nothing was loaded."
+            ) from exc
         raise FileNotFoundError(
             f"SCAPE state of rank {rank}{of} is missing: expected {file!r}. A SCAPE checkpoint is the file {where!r} "
             "plus the directory beside it ending in '.scape'; copy both. Nothing was loaded."
@@ -405,7 +580,8 @@ def _read_rank_file(
             "probably truncated or corrupt; resume from an earlier checkpoint. Nothing was loaded."
         ) from exc
     meta = payload.get(_RANK_KEY) if isinstance(payload, dict) else None
-    if not isinstance(meta, dict) or meta.get("save_id") not in ids or meta.get("rank") != rank:
+    save_id = next(iter(stubs.values()))[_STUB_KEY]["save_id"]
+    if not isinstance(meta, dict) or meta.get("save_id") != save_id or meta.get("rank") != rank:
         raise ValueError(
             f"{file!r} does not belong to checkpoint {where!r} (it was written by another save or another rank). "
             "Copy the checkpoint file and its '.scape' directory together. Nothing was loaded."
@@ -440,8 +616,8 @@ def agree(error: BaseException | None, what: str) -> None:
 
 
 def remove_rank_states(io: CheckpointIO, path: str | os.PathLike[str], rank: int, is_global_zero: bool) -> None:
-    """Delete this rank's SCAPE file of checkpoint ``path`` (rank 0 also removes the directory)."""
-    targets = [rank_state_path(path, rank)] + ([rank_state_dir(path)] if is_global_zero else [])
+    """Delete this rank's SCAPE files of checkpoint ``path`` (rank 0 also removes the directory)."""
+    targets = _listed_rank_files(path, rank) + ([rank_state_dir(path)] if is_global_zero else [])
     for target in targets:
         # Another rank may have removed it first, or it was never written.
         with contextlib.suppress(FileNotFoundError, OSError):

@@ -1,8 +1,9 @@
-"""Setting a model and its optimizer up for SCAPE: rank 0's weights everywhere, the engine, and its log line."""
+"""Setting a model and its optimizer up for SCAPE (rank 0's weights everywhere, the engine, and its log line),
+and closing the engines at the end of a run."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -10,7 +11,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_scape.comm import make_communicator
+from lightning_scape.comm import make_communicator, stop_heartbeat
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
@@ -67,6 +68,21 @@ def build_scape_optimizer(
     return ScapeOptimizer(adams, engine, source=optimizer)
 
 
+def close_engines(optimizers: Iterable[ScapeOptimizer], wait: bool) -> None:
+    """The end of a run (the strategies' teardown): remove every engine's hooks and stop this process's heartbeat.
+
+    Args:
+        optimizers: The run's SCAPE optimizers.
+        wait: Wait for collectives still in flight; False after a failure (an engine whose own collective
+            failed waits for nothing either).
+    """
+    for opt in optimizers:
+        opt.engine.close(wait=wait)
+    # The heartbeat thread serves the run's collectives; a thread left running outlives the fit (a new set-up
+    # starts it again).
+    stop_heartbeat()
+
+
 def describe_engine(engine: ScapeEngine) -> str:
     """One line for the log: the parameters, the dense warm-up, and the density the sparse steps really send.
 
@@ -75,6 +91,11 @@ def describe_engine(engine: ScapeEngine) -> str:
     chunks (``docs/algorithm.md``, layout), where one slot per chunk is more than d.
     """
     cfg = engine.config
+    if not engine.buckets:
+        return (
+            "lightning_scape: SCAPE has no trainable parameters yet (all frozen): they join the engine when they "
+            "are unfrozen or their param group is added to the optimizer, and its steps do nothing until then."
+        )
     slots = sum(bs.layout.chunks * cfg.slots_for(bs.layout.chunk_size) for bs in engine.buckets)
     density = slots / engine.padded_numel
     n = len(engine.buckets)

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_scape.adams import AdamS
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.wiring.local_grads import GRADS_WRITTEN_AFTER_SEND
 
 _CONVERTIBLE = (torch.optim.AdamW, torch.optim.Adam)
 
@@ -27,22 +28,17 @@ def to_adams(optimizer: Optimizer) -> AdamS:
 
     Args:
         optimizer: An :class:`AdamS`, or a ``torch.optim.AdamW`` / ``torch.optim.Adam`` (converted with the
-            same hyperparameters and param groups, said once in the log).
+            same hyperparameters and param groups, said once in the log). Subclasses of AdamW and Adam are
+            refused (their own code would never run), and so are subclasses of AdamS that override ``step``.
 
     Returns:
         The AdamS whose param groups the engine reads.
     """
     if isinstance(optimizer, ScapeOptimizer):
         return optimizer.adams
+    _check_type(optimizer)
     if isinstance(optimizer, AdamS):
         return optimizer
-    if not isinstance(optimizer, _CONVERTIBLE):
-        raise TypeError(
-            f"ScapeStrategy steps the optimizer itself and supports lightning_scape.AdamS, or torch.optim.AdamW "
-            f"and torch.optim.Adam (converted to AdamS with the same hyperparameters); got "
-            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}. Return one of these from "
-            "configure_optimizers / pass one to fabric.setup."
-        )
     name = type(optimizer).__name__
     for i, group in enumerate(optimizer.param_groups):
         for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
@@ -73,6 +69,37 @@ def to_adams(optimizer: Optimizer) -> AdamS:
     return adams
 
 
+def _check_type(optimizer: Optimizer) -> None:
+    """Refuse an optimizer that the engine cannot step as its author meant: another kind, or a subclass whose own
+    code would never run (the engine runs AdamS's update itself; nothing calls the optimizer's ``step``)."""
+    cls = type(optimizer)
+    user = f"{cls.__module__}.{cls.__qualname__}"
+    if isinstance(optimizer, AdamS):
+        if cls.step is not AdamS.step:
+            raise TypeError(
+                f"{user} overrides step(), which SCAPE never calls: the engine runs AdamS's update itself on the "
+                "synchronised gradient. Move that code out of step() (into an LR scheduler, a callback or the "
+                "training loop), or use lightning_scape.AdamS."
+            )
+        return
+    if cls in _CONVERTIBLE:
+        return
+    base = next((b for b in _CONVERTIBLE if isinstance(optimizer, b)), None)
+    if base is not None:
+        hyper = ", ".join(f"{k}={v!r}" for k, v in _adams_defaults(optimizer.defaults).items())
+        raise TypeError(
+            f"{user} subclasses torch.optim.{base.__name__}: SCAPE would replace it by AdamS, and its own code "
+            f"(step() among it) would never run. Create lightning_scape.AdamS(params, {hyper}) with the same "
+            "hyperparameters instead, or derive your class from lightning_scape.AdamS without overriding step() "
+            "(the SCAPE engine runs AdamS's update itself)."
+        )
+    raise TypeError(
+        f"ScapeStrategy steps the optimizer itself and supports lightning_scape.AdamS, or torch.optim.AdamW "
+        f"and torch.optim.Adam (converted to AdamS with the same hyperparameters); got {user}. Return one of these "
+        "from configure_optimizers / pass one to fabric.setup."
+    )
+
+
 def _adams_defaults(defaults: Mapping[str, Any]) -> dict[str, Any]:
     keys = ("lr", "betas", "eps", "weight_decay")
     return {k: defaults[k] for k in keys if k in defaults}
@@ -89,10 +116,14 @@ class _StepRequest:
 class ScapeOptimizer(Optimizer):
     """The optimizer a SCAPE strategy hands back: AdamS, stepped by a :class:`ScapeEngine`.
 
-    Its ``param_groups`` are the AdamS groups (the same dicts as the user's optimizer), so LR schedulers and
-    code that reads or writes ``param_group["lr"]`` keep working. ``step`` runs the engine's step,
-    ``zero_grad`` zeroes the engine's gradient buffers in place, and ``state_dict`` is this rank's SCAPE
-    state (every rank saves its own; the strategies do that in their checkpoints).
+    Its ``param_groups`` are one list shared with the AdamS and the optimizer the user created (the same list
+    and dicts), so LR schedulers on either and code that reads or writes ``param_group["lr"]`` change what the
+    engine uses. Like DeepSpeed's optimizer wrappers it exposes the user's optimizer as :attr:`optimizer`:
+    Lightning's ``LearningRateMonitor`` names the learning rates after its class (``lr-AdamW``), as under DDP.
+    ``step`` runs the engine's step, ``zero_grad`` zeroes the engine's gradient buffers in place, and
+    ``state_dict`` is this rank's SCAPE state (every rank saves its own; the strategies do that in their
+    checkpoints). A param group added with :meth:`add_param_group`, or parameters unfrozen after set-up, join
+    the engine (Lightning's ``BaseFinetuning``).
 
     Args:
         adams: The AdamS whose param groups hold the hyperparameters.
@@ -101,13 +132,29 @@ class ScapeOptimizer(Optimizer):
     """
 
     def __init__(self, adams: AdamS, engine: ScapeEngine, source: Optimizer | None = None) -> None:
-        super().__init__(adams.param_groups, adams.defaults)
-        self.param_groups = adams.param_groups  # the same list and dicts, not copies
         self.adams = adams
-        self.engine = engine
         self.source = source if source is not None else adams
+        if [id(g) for g in self.source.param_groups] == [id(g) for g in adams.param_groups]:
+            adams.param_groups = self.source.param_groups  # one list: a group added or replaced is seen by all
+        super().__init__(adams.param_groups, adams.defaults)  # the groups stay the AdamS's (see param_groups)
+        self.engine = engine
         self._request = _StepRequest()
-        self._param_ids = frozenset(id(p) for g in self.param_groups for p in g["params"])
+        self._told_grads_written = False
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer the user created (AdamW, Adam or the AdamS), whose param groups these are."""
+        return self.source
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The param groups: the AdamS's list, which is also the user's optimizer's."""
+        return self.adams.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        if hasattr(self, "engine"):  # Optimizer.__init__ resets them; they are the AdamS's already
+            self._replace_param_groups(list(groups))
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (forward and backward) if given, then the SCAPE step.
@@ -126,12 +173,20 @@ class ScapeOptimizer(Optimizer):
         max_norm, clip_value = req.max_norm, req.clip_value
         req.max_norm = req.clip_value = None
         self.engine.step(max_grad_norm=max_norm, clip_value=clip_value)
+        if self.engine.grads_written_after_send and not self._told_grads_written:
+            self._told_grads_written = True
+            rank_zero_warn(GRADS_WRITTEN_AFTER_SEND)
         for opt in {id(self.source): self.source, id(self.adams): self.adams}.values():
             setattr(opt, "_opt_called", True)  # noqa: B010  (LR schedulers check that step ran)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients in place (they stay views into the engine's buffers; ``set_to_none`` is moot)."""
+        """Zero the gradients in place (they stay views into the engine's buffers; ``set_to_none`` is moot).
+
+        Parameters unfrozen since the last call join the engine first (the Trainer calls this before every
+        backward pass that starts a step, and training loops call it between steps on every rank).
+        """
+        self._join()
         self.engine.zero_grad()
 
     def request_clip(self, max_norm: float | None = None, clip_value: float | None = None) -> None:
@@ -142,18 +197,62 @@ class ScapeOptimizer(Optimizer):
             self._request.clip_value = float(clip_value)
 
     def owns(self, module: Module) -> bool:
-        """Whether ``module``'s trainable parameters are stepped by this optimizer."""
-        return any(id(p) in self._param_ids for p in module.parameters())
+        """Whether ``module``'s parameters are in this optimizer's param groups."""
+        ids = {id(p) for g in self.param_groups for p in g["params"]}
+        return any(id(p) in ids for p in module.parameters())
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported after set-up: the engine lays the parameters out once."""
-        if not hasattr(self, "engine"):  # Optimizer.__init__ adds the initial groups
-            super().add_param_group(param_group)
+        """Add a param group, as ``torch.optim.Optimizer`` does; its trainable parameters join the engine.
+
+        Lightning's ``BaseFinetuning`` calls this when it unfreezes a backbone. Every rank must add it at the
+        same point, between two steps: the new parameters get buckets of their own (after the dense warm-up
+        with a mask built at once, a collective; ``docs/lightning.md``).
+
+        Args:
+            param_group: ``{"params": [...], ...}``; hyperparameters it does not set are the optimizer's defaults.
+        """
+        if not hasattr(self, "engine"):  # Optimizer.__init__: the groups are the AdamS's already
             return
-        raise RuntimeError(
-            "SCAPE lays out the parameters once, when the strategy sets the optimizer up; put every param group "
-            "in the optimizer before fabric.setup / returning it from configure_optimizers."
-        )
+        self.adams.add_param_group(param_group)  # AdamS's checks and defaults; appended to the shared list
+        if self.source is not self.adams:
+            for key, value in self.source.defaults.items():  # the keys a group of the user's optimizer has
+                param_group.setdefault(key, value)
+        self._join()
+
+    def _replace_param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Adopt ``groups`` as the param groups (``BaseFinetuning`` does this when a fit resumes).
+
+        The parameters the engine holds must stay in the groups they were laid out in; new groups' trainable
+        parameters join the engine.
+        """
+        where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+        for bs in self.engine.buckets:
+            moved = [where.get(id(place.param)) for place in bs.layout.places]
+            if any(i != bs.layout.group_index for i in moved):
+                raise ValueError(
+                    f"The new param groups move parameters of param group {bs.layout.group_index} elsewhere "
+                    f"({sorted({str(i) for i in moved} - {str(bs.layout.group_index)})}; None: dropped). SCAPE lays "
+                    "out each group's parameters once: param groups may be added (optimizer.add_param_group), and "
+                    "their hyperparameters changed, but not their parameters."
+                )
+        for group in groups:
+            for opt in (self.adams, self.source):
+                for key, value in opt.defaults.items():
+                    group.setdefault(key, value)
+        self.adams.param_groups = groups
+        self.source.param_groups = groups
+        self._join()
+
+    def _join(self) -> None:
+        """Let parameters that became trainable join the engine, and say so once in the log."""
+        joined = self.engine.add_trainable_params()
+        if joined:
+            phase = "sent dense until the warm-up ends" if self.engine.in_warmup else "sent sparsely from now on"
+            rank_zero_info(
+                f"lightning_scape: {joined:,} parameters became trainable and joined SCAPE after step "
+                f"{self.engine.step_count} ({phase}; {self.engine.numel:,} parameters in "
+                f"{len(self.engine.buckets)} buckets now)."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: the param groups' hyperparameters and the engine's SCAPE state."""

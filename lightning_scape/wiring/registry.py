@@ -1,4 +1,4 @@
-"""The strategy names ``"scape"`` and ``"scape_spawn"`` in Lightning's registries."""
+"""The strategy names ``"scape"``, ``"scape_spawn"`` and ``"scape_fsdp"`` in Lightning's registries."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ def register_strategies(cls: type, registry: Any) -> None:
     for name, start_method in (("scape", "popen"), ("scape_spawn", "spawn")):
         description = f"SCAPE sparse data parallelism with start_method={start_method!r}"
         _register(registry, name, cls, description=description, start_method=start_method)
+
+
+def register_fsdp_strategy(cls: type, registry: Any) -> None:
+    """Register ``cls`` as ``"scape_fsdp"``: SCAPE across groups, FSDP2 inside each (started like ``"fsdp"``)."""
+    _register(registry, "scape_fsdp", cls, description="SCAPE across groups of shard_size processes, FSDP2 inside each")
 
 
 def _register(registry: Any, name: str, cls: type, description: str, **init_params: Any) -> None:

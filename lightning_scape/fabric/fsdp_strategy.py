@@ -1,0 +1,312 @@
+"""``ScapeFSDPStrategy`` for Lightning Fabric: FSDP2 inside each group of ``shard_size`` processes, SCAPE across.
+
+A thin adapter over Lightning's ``ModelParallelStrategy`` (FSDP2); what it shares with the Trainer's form
+(``lightning_scape/pytorch/fsdp_strategy.py``) lives in :mod:`lightning_scape.wiring.fsdp` and
+:mod:`lightning_scape.wiring.fsdp_checkpoint`. Design and measurements: ``docs/fsdp.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import Unpack, override
+
+from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
+from lightning_scape.engine import ScapeEngine
+from lightning_scape.wiring import fsdp, fsdp_checkpoint, registry
+from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
+from lightning_scape.wiring.options import process_group_timeout, resolve_config
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import _LRScheduler
+
+
+class ScapeFSDPStrategy(ModelParallelStrategy):
+    """SCAPE across groups of processes, FSDP2 inside each: ``Fabric(strategy=ScapeFSDPStrategy(density=0.01))``.
+
+    The W processes form R = W / ``shard_size`` groups of ``shard_size`` consecutive ranks (one node each by
+    default). Inside a group the model is sharded with FSDP2 (``fully_shard``, every block of
+    ``auto_wrap_policy`` one unit); across the groups the SCAPE engine synchronises each rank's shard with the
+    ranks of the other groups that hold the same shard: one sparse collective per step after the warm-up, on
+    the slow inter-node links, while FSDP's all-gather and reduce-scatter stay on the fast links inside the node.
+    Parameters, gradients and the residual are sharded S ways, the momentum S x R ways (``docs/fsdp.md``).
+
+    Usage (create the optimizer after the model is set up, as with every FSDP2 strategy)::
+
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(AdamS(model.parameters(), lr=3e-4))
+
+    ``fabric.setup(model, optimizer)`` works too. Supported: ``fabric.no_backward_sync`` (nothing is sent on
+    accumulating micro-batches, not even inside the node), ``fabric.clip_gradients`` (by the global norm over all
+    shards, or by value), precision ``"32-true"``, ``"bf16-mixed"`` and ``"bf16-true"``, meta-device
+    initialisation (``fabric.init_module(empty_init=True)``), and ``fabric.save`` / ``fabric.load`` of a sharded
+    checkpoint folder that resumes bitwise (onto the same number of processes and ``shard_size``).
+
+    Args:
+        shard_size: S, the processes that shard one model copy between them; default: the processes of one node.
+            Pick the largest group joined by fast links (NVLink): FSDP's traffic stays inside it. 1 shards
+            nothing (each rank holds the whole model, like :class:`~lightning_scape.ScapeStrategy`).
+        auto_wrap_policy: Which modules become FSDP units: a set of block classes, or a predicate on modules;
+            default ``{litgpt.model.Block}``. One unit per transformer block keeps only one block's full
+            parameters alive at a time; the root module is always a unit (embeddings, head, final norm).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default: NCCL on CUDA, gloo on the CPU.
+        timeout: Process-group timeout; default ``collective_timeout_s``.
+        config: A whole :class:`~lightning_scape.ScapeConfig`; keyword options below override its fields.
+        **options: Any :class:`~lightning_scape.ScapeConfig` field.
+    """
+
+    __doc__ = (__doc__ or "") + options_doc()
+
+    def __init__(
+        self,
+        shard_size: int | None = None,
+        auto_wrap_policy: fsdp.WrapPolicy | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+        config: ScapeConfig | None = None,
+        **options: Unpack[ScapeOptions],
+    ) -> None:
+        self.scape_config = resolve_config(config, options)
+        super().__init__(
+            parallelize_fn=self._parallelize,
+            process_group_backend=process_group_backend,
+            timeout=process_group_timeout(timeout, self.scape_config),
+        )
+        self._shard_size = shard_size
+        self._wrap_policy = auto_wrap_policy
+        self._grid: fsdp.ShardGrid | None = None
+        self._scape_modules: list[Module] = []
+        self._scape_optimizers: list[ScapeOptimizer] = []
+        self._bindings: list[fsdp.ShardBinding] = []
+
+    @property
+    def grid(self) -> fsdp.ShardGrid:
+        """The processes as groups of ``shard_size`` (known once the processes are set up)."""
+        if self._grid is None:
+            raise RuntimeError("The shard grid is known once Fabric has launched the processes (fabric.launch()).")
+        return self._grid
+
+    @property
+    def scape_optimizers(self) -> list[ScapeOptimizer]:
+        """The optimizers this strategy set up, in set-up order (normally one)."""
+        return list(self._scape_optimizers)
+
+    @property
+    def scape_modules(self) -> list[Module]:
+        """The modules this strategy set up, in set-up order."""
+        return list(self._scape_modules)
+
+    @property
+    def engine(self) -> ScapeEngine:
+        """The :class:`~lightning_scape.ScapeEngine` of the most recently set-up optimizer (this rank's shard)."""
+        if not self._scape_optimizers:
+            raise RuntimeError("No optimizer was set up yet: call fabric.setup_optimizers(optimizer) first.")
+        return self._scape_optimizers[-1].engine
+
+    @property
+    def binding(self) -> fsdp.ShardBinding:
+        """How the most recently set-up optimizer's engine holds FSDP's shards."""
+        if not self._bindings:
+            raise RuntimeError("No optimizer was set up yet: call fabric.setup_optimizers(optimizer) first.")
+        return self._bindings[-1]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every process reads its own data: FSDP inside a group is data parallel too."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_environment(self) -> None:
+        """Start the processes, then the ``("replicate", "shard")`` mesh."""
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self._grid = fsdp.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
+        self._device_mesh = fsdp.build_mesh(self.root_device.type, self._grid)
+
+    def _parallelize(self, module: Module, mesh: Any) -> Module:
+        fsdp.shard_module(module, mesh["shard"], self._wrap_policy)
+        return module
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Shard the model in each group, materialise it if it was built on the meta device, and give every group
+        the first group's weights."""
+        module = super().setup_module(module)
+        _materialize_distributed_module(module, self.root_device)
+        grid = self.grid
+        fsdp.sync_replicas(module, self.device_mesh["replicate"].get_group(), replicate_src=grid.shard_index)
+        self._scape_modules.append(module)
+        return module
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: _LRScheduler | None = None
+    ) -> tuple[Module, list[Optimizer], _LRScheduler | None]:
+        """``fabric.setup(model, optimizer)``: shard the model, then point the optimizer at the sharded parameters."""
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"ScapeFSDPStrategy steps one optimizer per model, got {len(optimizers)}. Put all parameters in "
+                "param groups of one AdamS / AdamW."
+            )
+        names = {id(p): n for n, p in module.named_parameters()}
+        module = self.setup_module(module)
+        fsdp.replace_params(optimizers[0], names, module)
+        return module, [self.setup_optimizer(optimizers[0])], scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Build the SCAPE engine for ``optimizer`` on this rank's shard, across the groups."""
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        module = next((m for m in reversed(self._scape_modules) if any(id(p) in ids for p in m.parameters())), None)
+        if module is None:
+            raise ValueError(
+                "ScapeFSDPStrategy found no set-up model whose parameters this optimizer holds. Create it after "
+                "model = fabric.setup_module(model), from model.parameters()."
+            )
+        comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
+        scape, binding = fsdp.build_fsdp_scape_optimizer(optimizer, self.scape_config, module, comm)
+        self._scape_optimizers.append(scape)
+        self._bindings.append(binding)
+        return scape
+
+    # ----------------------------------------------------------------------------------------- a step
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip the synchronised gradient to global L2 norm ``max_norm`` (over all shards) in the coming step.
+
+        Returns:
+            The global norm before clipping.
+        """
+        opt = self._scape_optimizer_of(optimizer)
+        if float(norm_type) != 2.0:
+            raise ValueError(f"ScapeFSDPStrategy clips by the global L2 norm; norm_type={norm_type} is not supported.")
+        shard_group = self.device_mesh["shard"].get_group()
+        norm = fsdp.request_global_clip(opt, float(max_norm), shard_group, self.grid.shard_size)
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(
+                f"The global norm of the synchronised gradient is {norm}. Pass error_if_nonfinite=False to skip "
+                "this check, or find the source of the inf/nan (learning rate too high?)."
+            )
+        return torch.tensor(norm, device=self.root_device)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Clamp every synchronised gradient value to ``[-clip_val, clip_val]`` in the coming step."""
+        self._scape_optimizer_of(optimizer).request_clip(clip_value=float(clip_val))
+
+    def _scape_optimizer_of(self, optimizer: Any) -> ScapeOptimizer:
+        opt = unwrap_optimizer(optimizer)
+        if not isinstance(opt, ScapeOptimizer):
+            raise TypeError(f"Expected the optimizer returned by fabric.setup_optimizers, got {type(opt).__name__}.")
+        return opt
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Write the checkpoint folder ``path``: one file per rank (model shard, SCAPE state) and ``meta.pt``."""
+        if storage_options is not None or filter is not None:
+            raise TypeError("ScapeFSDPStrategy.save_checkpoint takes neither storage_options nor filter.")
+        folder = Path(self.broadcast(str(path)))
+        modules, optimizers, rest = _split_state(state)
+        metadata = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in rest.items()}
+        module_states = {k: fsdp_checkpoint.local_module_state(m) for k, m in modules.items()}
+        optimizer_states = {k: opt.state_dict() for k, opt in optimizers.items()}
+        fsdp_checkpoint.save(folder, self.grid, module_states, optimizer_states, metadata)
+        self.barrier()
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore a checkpoint folder; everything is read and checked on every rank before anything is loaded."""
+        if not isinstance(state, dict) or not state:
+            raise ValueError("ScapeFSDPStrategy loads into a state dict: fabric.load(path, {'model': model, ...}).")
+        folder = Path(self.broadcast(str(path)))
+        modules, optimizers, rest = _split_state(state)
+        checked = fsdp_checkpoint.read_and_check(folder, self.grid, modules, optimizers, strict)
+        fsdp_checkpoint.load(checked, modules, optimizers)
+        metadata = dict(checked.meta["metadata"])
+        for key, obj in rest.items():
+            if key not in metadata:
+                continue
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(metadata.pop(key))
+            else:
+                state[key] = metadata.pop(key)
+        return metadata
+
+    # -------------------------------------------------------------------------------------- lifecycle
+
+    @override
+    def teardown(self) -> None:
+        """Remove the engines' and the bindings' hooks."""
+        for opt in self._scape_optimizers:
+            opt.engine.close()
+        for binding in self._bindings:
+            binding.detach()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """``"scape_fsdp"`` (processes started like ``"fsdp"``)."""
+        registry.register_fsdp_strategy(cls, strategy_registry)
+
+
+def _split_state(
+    state: dict[str, Any],
+) -> tuple[dict[str, Module], dict[str, ScapeOptimizer], dict[str, Any]]:
+    """The state's models, SCAPE optimizers, and everything else, by key."""
+    modules: dict[str, Module] = {}
+    optimizers: dict[str, ScapeOptimizer] = {}
+    rest: dict[str, Any] = {}
+    for key, obj in state.items():
+        inner = unwrap_optimizer(obj)
+        if isinstance(inner, ScapeOptimizer):
+            optimizers[key] = inner
+        elif isinstance(obj, Module):
+            modules[key] = obj
+        elif isinstance(obj, Optimizer):
+            raise TypeError(f"state[{key!r}] is an optimizer that ScapeFSDPStrategy did not set up; it cannot save it.")
+        else:
+            rest[key] = obj
+    return modules, optimizers, rest
+
+
+ScapeFSDPStrategy.register_strategies(STRATEGY_REGISTRY)

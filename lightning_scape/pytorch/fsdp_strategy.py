@@ -1,0 +1,263 @@
+"""``ScapeFSDPStrategy`` for the Lightning Trainer: FSDP2 inside each group of ``shard_size`` processes, SCAPE across.
+
+A thin adapter over Lightning's ``ModelParallelStrategy`` (FSDP2); what it shares with the Fabric form
+(``lightning_scape/fabric/fsdp_strategy.py``) lives in :mod:`lightning_scape.wiring.fsdp` and
+:mod:`lightning_scape.wiring.fsdp_checkpoint`. Design and measurements: ``docs/fsdp.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch.optim import Optimizer
+from typing_extensions import Unpack, override
+
+from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
+from lightning_scape.engine import ScapeEngine
+from lightning_scape.wiring import fsdp, fsdp_checkpoint, registry
+from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
+from lightning_scape.wiring.options import process_group_timeout, resolve_config
+
+
+class ScapeFSDPStrategy(ModelParallelStrategy):
+    """SCAPE across groups of processes, FSDP2 inside each: ``Trainer(strategy=ScapeFSDPStrategy(density=0.01))``.
+
+    Also ``Trainer(strategy="scape_fsdp")``. The W processes form R = W / ``shard_size`` groups of ``shard_size``
+    consecutive ranks (one node each by default); the strategy shards the model with FSDP2 inside each group
+    (every block of ``auto_wrap_policy`` one unit; the ``LightningModule``'s submodules the roots) and the SCAPE
+    engine synchronises each rank's shard across the groups (``docs/fsdp.md``). ``configure_optimizers`` must
+    return one :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``torch.optim.Adam``, with any LR
+    scheduler; ``configure_model`` may build the model (on the meta device with ``empty_init``), but must not
+    shard it.
+
+    Supported: ``accumulate_grad_batches`` (nothing is sent on accumulating micro-batches),
+    ``gradient_clip_val`` by norm (the global norm over all shards) or by value, precision ``"32-true"``,
+    ``"bf16-mixed"`` and ``"bf16-true"``, and sharded checkpoints (a folder: one file per rank and ``meta.pt``)
+    that ``trainer.fit(..., ckpt_path=...)`` resumes bitwise on the same number of processes and ``shard_size``.
+
+    Args:
+        shard_size: S, the processes that shard one model copy between them; default: the processes of one node.
+            Pick the largest group joined by fast links (NVLink): FSDP's traffic stays inside it.
+        auto_wrap_policy: Which modules become FSDP units: a set of block classes, or a predicate on modules;
+            default ``{litgpt.model.Block}``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; default: NCCL on CUDA, gloo on the CPU.
+        timeout: Process-group timeout; default ``collective_timeout_s``.
+        config: A whole :class:`~lightning_scape.ScapeConfig`; keyword options below override its fields.
+        **options: Any :class:`~lightning_scape.ScapeConfig` field.
+    """
+
+    __doc__ = (__doc__ or "") + options_doc()
+
+    def __init__(
+        self,
+        shard_size: int | None = None,
+        auto_wrap_policy: fsdp.WrapPolicy | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = None,
+        config: ScapeConfig | None = None,
+        **options: Unpack[ScapeOptions],
+    ) -> None:
+        self.scape_config = resolve_config(config, options)
+        super().__init__(
+            process_group_backend=process_group_backend, timeout=process_group_timeout(timeout, self.scape_config)
+        )
+        self._shard_size = shard_size
+        self._wrap_policy = auto_wrap_policy
+        self._grid: fsdp.ShardGrid | None = None
+        self._bindings: list[fsdp.ShardBinding] = []
+
+    @property
+    def grid(self) -> fsdp.ShardGrid:
+        """The processes as groups of ``shard_size`` (known once the processes are set up)."""
+        if self._grid is None:
+            raise RuntimeError("The shard grid is known once the Trainer has set up the processes.")
+        return self._grid
+
+    @property
+    def scape_optimizers(self) -> list[ScapeOptimizer]:
+        """The SCAPE optimizers of the current fit (normally one)."""
+        return list(scape_optimizers(self.optimizers))
+
+    @property
+    def engine(self) -> ScapeEngine:
+        """The :class:`~lightning_scape.ScapeEngine` of the current fit (this rank's shard)."""
+        opts = self.scape_optimizers
+        if not opts:
+            raise RuntimeError("ScapeFSDPStrategy has no engine outside trainer.fit (after the optimizers are set up).")
+        return opts[0].engine
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every process reads its own data: FSDP inside a group is data parallel too."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_environment(self) -> None:
+        """Start the processes, then the ``("replicate", "shard")`` mesh (``LightningModule.device_mesh``)."""
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self._grid = fsdp.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
+        self._device_mesh = fsdp.build_mesh(self.root_device.type, self._grid)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    # ------------------------------------------------------------------------------------------ set-up
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Shard the model in each group (once), give every group the first group's weights, then the engine."""
+        from torch.distributed.fsdp import FSDPModule
+
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            fsdp.shard_module(self.model, self.device_mesh["shard"], self._wrap_policy, root_runs_forward=False)
+            _materialize_distributed_module(self.model, self.root_device)
+            replicate = self.device_mesh["replicate"].get_group()
+            fsdp.sync_replicas(self.model, replicate, replicate_src=self.grid.shard_index)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._redirect_clipping()
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Create the user's optimizer and schedulers, then hand the optimizer to a SCAPE engine on this shard."""
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"ScapeFSDPStrategy steps one optimizer, but configure_optimizers returned {len(self.optimizers)}. "
+                "Put all parameters in param groups of one AdamS / AdamW."
+            )
+        assert self.model is not None
+        comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
+        scape, binding = fsdp.build_fsdp_scape_optimizer(self.optimizers[0], self.scape_config, self.model, comm)
+        self._bindings.append(binding)
+        self.optimizers = [scape]
+
+    # ----------------------------------------------------------------------------------------- a step
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulating micro-batches: FSDP keeps the gradients unsharded and nothing is sent, not even in a group."""
+        from torch.distributed.fsdp import FSDPModule
+
+        assert self.model is not None
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for m in units:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for m in units:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    def _redirect_clipping(self) -> None:
+        """Route ``gradient_clip_val`` to the engine: by the global norm over all shards, or by value."""
+        shard_group = self.device_mesh["shard"].get_group()
+        shard_size = self.grid.shard_size
+
+        def clip(
+            plugin: Precision,
+            optimizer: Optimizer,
+            clip_val: int | float = 0.0,
+            gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+        ) -> None:
+            if clip_val <= 0:
+                return
+            opt = unwrap_optimizer(optimizer)
+            if not isinstance(opt, ScapeOptimizer):
+                raise TypeError(f"ScapeFSDPStrategy can only clip its own optimizer, got {type(opt).__name__}.")
+            if GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.VALUE:
+                opt.request_clip(clip_value=float(clip_val))
+            else:
+                fsdp.request_global_clip(opt, float(clip_val), shard_group, shard_size)
+
+        self.precision_plugin.clip_gradients = MethodType(clip, self.precision_plugin)  # type: ignore[method-assign]
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model: the local shards of its parameters, and its buffers."""
+        assert self.model is not None
+        return fsdp_checkpoint.local_module_state(self.model)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's SCAPE state (its shard's momentum, residual and masks)."""
+        opt = unwrap_optimizer(optimizer)
+        if not isinstance(opt, ScapeOptimizer):
+            raise TypeError(f"ScapeFSDPStrategy saves only its own optimizer, got {type(opt).__name__}.")
+        return opt.state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write the checkpoint folder ``filepath``: one file per rank (model shard, SCAPE state) and ``meta.pt``."""
+        if storage_options is not None:
+            raise TypeError("ScapeFSDPStrategy.save_checkpoint does not take storage_options.")
+        folder = Path(self.broadcast(str(filepath)))
+        rest = dict(checkpoint)
+        modules = {"state_dict": rest.pop("state_dict")}
+        optimizers = {_state_key(i): s for i, s in enumerate(rest.pop("optimizer_states", []))}
+        fsdp_checkpoint.save(folder, self.grid, modules, optimizers, rest)
+        self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read and check the folder on every rank, load the model shard and SCAPE state; the rest for Lightning."""
+        assert self.model is not None and self.lightning_module is not None
+        folder = Path(self.broadcast(str(checkpoint_path)))
+        opts = {_state_key(i): opt for i, opt in enumerate(self.scape_optimizers)}
+        modules = {"state_dict": self.model}
+        checked = fsdp_checkpoint.read_and_check(folder, self.grid, modules, opts, self.lightning_module.strict_loading)
+        fsdp_checkpoint.load(checked, modules, opts)
+        return dict(checked.meta["metadata"])
+
+    # -------------------------------------------------------------------------------------- lifecycle
+
+    @override
+    def teardown(self) -> None:
+        """Remove the engines' and the bindings' hooks and the clipping redirect."""
+        for opt in self.scape_optimizers:
+            opt.engine.close()
+        for binding in self._bindings:
+            binding.detach()
+        self._bindings.clear()
+        if "clip_gradients" in vars(self.precision_plugin):
+            del self.precision_plugin.clip_gradients
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """``"scape_fsdp"``."""
+        registry.register_fsdp_strategy(cls, strategy_registry)
+
+
+def _state_key(index: int) -> str:
+    """The key of ``optimizer_states[index]`` in the checkpoint folder's files."""
+    return f"optimizer_states.{index}"
+
+
+ScapeFSDPStrategy.register_strategies(StrategyRegistry)

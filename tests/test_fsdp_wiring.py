@@ -1,0 +1,43 @@
+"""ScapeFSDPStrategy's set-up rules, without processes: the grid, the options, the registered names."""
+
+from __future__ import annotations
+
+import pytest
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_scape
+from lightning_scape.wiring import fsdp
+
+
+def test_the_grid_puts_consecutive_ranks_in_a_group() -> None:
+    grid = fsdp.shard_grid(world_size=8, shard_size=4, processes_per_node=8, rank=6)
+    assert (grid.replicas, grid.replica_index, grid.shard_index) == (2, 1, 2)
+    assert fsdp.shard_grid(world_size=8, shard_size=None, processes_per_node=2, rank=0).shard_size == 2
+
+
+@pytest.mark.parametrize("shard_size", [0, 3, 16])
+def test_a_shard_size_that_does_not_divide_the_world_is_refused(shard_size: int) -> None:
+    with pytest.raises(ValueError, match=f"shard_size={shard_size}.*divisor of 8"):
+        fsdp.shard_grid(world_size=8, shard_size=shard_size, processes_per_node=8, rank=0)
+
+
+@pytest.mark.parametrize(
+    "cls", [lightning_scape.ScapeFSDPStrategy, lightning_scape.pytorch.ScapeFSDPStrategy], ids=["fabric", "trainer"]
+)
+def test_options_are_scape_config_fields(cls: type) -> None:
+    strategy = cls(shard_size=2, density=0.05, dense_warmup_steps=3)
+    assert strategy.scape_config == lightning_scape.ScapeConfig(density=0.05, dense_warmup_steps=3)
+    with pytest.raises(TypeError, match="find_unused_parameters"):
+        cls(find_unused_parameters=True)
+
+
+def test_registered_as_scape_fsdp_for_fabric_and_the_trainer() -> None:
+    assert dict.get(STRATEGY_REGISTRY, "scape_fsdp")["strategy"] is lightning_scape.ScapeFSDPStrategy
+    assert dict.get(StrategyRegistry, "scape_fsdp")["strategy"] is lightning_scape.pytorch.ScapeFSDPStrategy
+
+
+def test_the_default_wrapping_unit_is_litgpts_block() -> None:
+    from litgpt.model import Block
+
+    assert fsdp.default_wrap_policy() == {Block}
