@@ -1,9 +1,10 @@
-"""The ``lightning-scape`` command line: ``demo`` and ``pretrain`` (also ``python -m lightning_scape``).
+"""The ``lightning-scape`` command line: ``demo``, ``pretrain`` and ``estimate`` (also ``python -m lightning_scape``).
 
 This module lies outside the ``lightning_scape`` package on purpose. Importing the package imports torch
 and Lightning (``import lightning_scape`` registers ``strategy="scape"``), which takes seconds; from here
-``lightning-scape --help``, ``demo --help`` and the demo's argument errors answer without them, and a command
-imports the package only when it runs (``tests/test_demo.py`` checks that torch stays unimported). The
+``lightning-scape --help``, ``demo --help``, ``estimate --help`` and their argument errors answer without them,
+and a command imports the package only when it runs (``tests/test_demo.py`` and ``tests/test_planning.py`` check
+that torch stays unimported). The
 package never imports this module: the demo receives its parsed options as a
 :class:`~lightning_scape.examples.demo.DemoOptions`. ``pretrain --help`` needs the package: its options are
 read from litgpt's and SCAPE's own classes.
@@ -12,6 +13,7 @@ read from litgpt's and SCAPE's own classes.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ PROG = "lightning-scape"
 COMMANDS: dict[str, str] = {
     "demo": "dense AdamS against SCAPE (d=0.01) on 2 CPU processes on real text: bytes per step, losses, a plot",
     "pretrain": "pretrain a litgpt model with SCAPE from a YAML recipe (recipes/debug.yaml: 2 CPU processes)",
+    "estimate": "does SCAPE pay on your network? bytes, step time and memory per rank against DDP, predicted",
 }
 
 DEMO_DESCRIPTION = """\
@@ -96,6 +99,153 @@ def demo_command(argv: list[str]) -> list[dict[str, Any]]:
         parser.error(str(exc))
 
 
+ESTIMATE_DESCRIPTION = """\
+Does SCAPE pay on your network? For a model, a cluster and one rank's compute per step, print what DDP
+(fp32 all-reduce), DDP's bf16 hook and SCAPE at a few densities send per step, their predicted step time and
+memory per rank, the link rate below which SCAPE is the faster, what its dense warm-up and density ramp
+cost, and a recommendation. Nothing is launched.
+
+The bytes are the package's own ring formulas on the engine's layout; a collective takes its bytes over the
+link plus one latency per ring step; DDP's all-reduces and SCAPE's value reduce-scatters overlap the
+backward pass, SCAPE's parameter all-gathers do not. docs/benchmarks.md ("Predicted against measured")
+states the model and compares it with the network benchmark.
+
+  lightning-scape estimate --model Llama-3.2-1B --nodes 4 --procs-per-node 8 --bandwidth 25gbit --compute-ms 900
+  lightning-scape estimate --model 160M --nodes 2 --bandwidth 1gbit --compute-ms 120 --scape-extra-ms 9
+  lightning-scape estimate --model pythia-14m --nodes 2 --bandwidth 100mbit --measure   # a dry run here
+"""
+
+_COUNT = re.compile(r"^(\d+(?:\.\d*)?(?:e\d+)?)([kmbt]?)$", re.IGNORECASE)
+_RATE = re.compile(r"^(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgt])(?:bit(?:/s)?|bps|b/s)?$", re.IGNORECASE)
+_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12}
+
+
+def parameter_count(text: str) -> int | None:
+    """``1.2B``, ``160M``, ``7e9``, ``125000`` as a count of parameters; None for anything else (a config name)."""
+    match = _COUNT.match(text.strip())
+    return None if match is None else round(float(match[1]) * _SCALE[match[2].lower()])
+
+
+def link_rate(text: str) -> float:
+    """``25gbit``, ``100mbit``, ``1.5Gbit/s``, ``400gbps`` in bits per second (argparse type)."""
+    match = _RATE.match(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a link rate; give a number and a unit: 25gbit, 100mbit")
+    return float(match[1]) * _SCALE[match[2].lower()]
+
+
+def estimate_parser() -> argparse.ArgumentParser:
+    """The ``lightning-scape estimate`` options."""
+    ap = argparse.ArgumentParser(
+        prog=f"{PROG} estimate",
+        description=ESTIMATE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--model", required=True, help="parameters (1.2B, 160M, 7e9) or a litgpt config (pythia-160m)")
+    ap.add_argument("--nodes", type=int, required=True, help="machines")
+    ap.add_argument("--procs-per-node", type=int, default=1, help="processes (GPUs) per machine (default: 1)")
+    ap.add_argument(
+        "--bandwidth", type=link_rate, required=True,
+        help="each node's link to the others, per direction (25gbit); with --nodes 1, the link between processes",
+    )  # fmt: skip
+    ap.add_argument("--latency-ms", type=float, default=0.0, help="one-way latency per message (default: 0)")
+    ap.add_argument(
+        "--efficiency", type=float, default=0.95,
+        help="fraction of the rate that carries data: 0.95 for TCP (default), about 0.97 for RDMA",
+    )  # fmt: skip
+    ap.add_argument("--compute-ms", type=float, help="one rank's forward + backward + optimizer step, no communication")
+    ap.add_argument(
+        "--scape-extra-ms", default=None,
+        help="what a SCAPE sparse step adds on one rank (the engine's own work): one value, or one per density",
+    )  # fmt: skip
+    ap.add_argument("--measure", action="store_true", help="measure the compute by a short dry run of the litgpt model")
+    ap.add_argument("--batch-size", type=int, default=4, help="--measure: sequences per rank (default: 4)")
+    ap.add_argument("--block-size", type=int, default=512, help="--measure: tokens per sequence (default: 512)")
+    ap.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true", help="--measure's precision")
+    ap.add_argument("--densities", default="0.1,0.01", help="SCAPE's densities, comma-separated (default: 0.1,0.01)")
+    ap.add_argument("--dense-warmup-steps", type=int, default=None, help="SCAPE's dense warm-up (default: 30)")
+    ap.add_argument("--density-ramp-steps", type=int, default=None, help="SCAPE's density ramp (default: 400)")
+    ap.add_argument("--steps", type=int, default=None, help="the run's length: also print each method's total time")
+    return ap
+
+
+def _check_estimate_options(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Refuse, in one line, the option combinations that cannot work (no torch needed)."""
+    if ns.nodes < 1 or ns.procs_per_node < 1:
+        parser.error(f"--nodes ({ns.nodes}) and --procs-per-node ({ns.procs_per_node}) must be at least 1")
+    if ns.nodes * ns.procs_per_node < 2:
+        parser.error("one process sends nothing: give --nodes 2 or more, or --procs-per-node 2 or more")
+    if (ns.compute_ms is None) == (not ns.measure):
+        parser.error("give one of --compute-ms MS (one rank's step without communication) or --measure")
+    if ns.compute_ms is not None and not ns.compute_ms > 0:
+        parser.error(f"--compute-ms must be > 0, got {ns.compute_ms}")
+    if ns.measure and parameter_count(ns.model) is not None:
+        parser.error("--measure runs the model: name a litgpt config (e.g. pythia-160m), or give --compute-ms")
+    if ns.measure and ns.scape_extra_ms is not None:
+        parser.error("--measure measures SCAPE's own work: leave out --scape-extra-ms")
+    if not ns.latency_ms >= 0:
+        parser.error(f"--latency-ms must be >= 0, got {ns.latency_ms}")
+    for flag, value in (("--steps", ns.steps), ("--batch-size", ns.batch_size), ("--block-size", ns.block_size)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+
+
+def _estimate_numbers(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """The densities, and SCAPE's extra seconds per density (empty: not given)."""
+    try:
+        densities = [float(d) for d in ns.densities.split(",")]
+        extra = [float(x) / 1e3 for x in ns.scape_extra_ms.split(",")] if ns.scape_extra_ms else []
+    except ValueError as exc:
+        parser.error(f"--densities and --scape-extra-ms take comma-separated numbers: {exc}")
+    if len(extra) not in (0, 1, len(densities)):
+        parser.error(f"--scape-extra-ms: give one value or one per density ({len(densities)}), got {len(extra)}")
+    if any(not x >= 0 for x in extra):
+        parser.error(f"--scape-extra-ms must be >= 0, got {ns.scape_extra_ms}")
+    return densities, (extra * len(densities) if len(extra) == 1 else extra)
+
+
+def estimate_command(argv: list[str]) -> Any:
+    """``lightning-scape estimate``: parse and check the options, predict, print.
+
+    Args:
+        argv: The arguments after ``estimate``.
+
+    Returns:
+        The :class:`~lightning_scape.planning.Estimate`.
+
+    Raises:
+        SystemExit: With status 0 for ``--help``, 2 and a one-line message for options that cannot work.
+    """
+    parser = estimate_parser()
+    ns = parser.parse_args(argv)  # --help and malformed values answer here, before torch is imported
+    _check_estimate_options(parser, ns)
+    densities, extra = _estimate_numbers(parser, ns)
+    from lightning_scape.config import ScapeConfig
+    from lightning_scape.planning import Cluster, Link, StepCompute, estimate, format_estimate, parameter_groups
+    from lightning_scape.planning.measure import litgpt_model, measure_litgpt
+
+    schedule = {"dense_warmup_steps": ns.dense_warmup_steps, "density_ramp_steps": ns.density_ramp_steps}
+    W = ns.nodes * ns.procs_per_node
+    try:
+        config = ScapeConfig(**{k: v for k, v in schedule.items() if v is not None})
+        for d in densities:
+            config.replace(density=d)
+        link = Link(ns.bandwidth, ns.latency_ms / 1e3, ns.efficiency)
+        count = parameter_count(ns.model)
+        groups = parameter_groups(numel=count) if count else parameter_groups(model=litgpt_model(ns.model))
+        if ns.measure:
+            print(f"measuring {ns.model} on this machine ({ns.batch_size} x {ns.block_size} tokens) ...", flush=True)
+            compute, source = measure_litgpt(ns.model, W, densities, ns.batch_size, ns.block_size, config, ns.precision)
+        else:
+            given = dict(zip(densities, extra, strict=False))  # extra is empty when not given
+            compute, source = StepCompute.from_total(ns.compute_ms / 1e3, given), "given"
+    except ValueError as exc:
+        parser.error(str(exc))
+    est = estimate(groups, Cluster(ns.nodes, ns.procs_per_node, link), compute, densities, config, ns.steps)
+    print(format_estimate(est, ns.model, source))
+    return est
+
+
 def usage() -> str:
     """``lightning-scape --help``: what the package is, and one line per command."""
     width = max(len(name) for name in COMMANDS) + 2
@@ -150,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_scape.litgpt.pretrain import run_pretrain
 
         return run_pretrain(rest)
+    if command == "estimate":
+        estimate_command(rest)
+        return 0
     what = "option" if command.startswith("-") else "command"
     print(
         f"usage: {PROG} COMMAND [options]\n{PROG}: error: unknown {what} {command!r}; the commands are "

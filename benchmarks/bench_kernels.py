@@ -316,7 +316,13 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
     return results
 
 
-def check(device: str, dtype: torch.dtype, exploration: float) -> list[str]:
+# (chunk size, density, rows) of the problems check() runs: tiny to the largest chunks, odd row counts.
+CHECK_CASES: tuple[tuple[int, float, int], ...] = ((64, 0.1, 1001), (4096, 0.01, 33), (4096, 1.0, 3), (32768, 0.01, 3))
+
+
+def check(
+    device: str, dtype: torch.dtype, exploration: float, cases: tuple[tuple[int, float, int], ...] = CHECK_CASES
+) -> list[str]:
     """Every dispatched op (the kernels, on CUDA) against its ref from the same state; returns the failures.
 
     The test suite checks the kernels in Triton's CPU interpreter; this checks the compiled kernels on
@@ -324,7 +330,7 @@ def check(device: str, dtype: torch.dtype, exploration: float) -> list[str]:
     """
     rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (8e-3, 1e-5)
     failures = []
-    for C, density, rows in ((64, 0.1, 1001), (4096, 0.01, 33), (4096, 1.0, 3), (32768, 0.01, 3)):
+    for C, density, rows in cases:
         base = Problem(rows * C, C, density, exploration, dtype, device)
         base.values.normal_()  # the averaged slot values sparse_adams reads
         base.new_values.normal_()  # the new slot values scatter_decay writes
@@ -360,7 +366,8 @@ def forced_ref() -> Iterator[None]:
             os.environ["LIGHTNING_SCAPE_FORCE_REF"] = old
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (``benchmarks/gpu_check.py`` reads its defaults)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel-numel", type=float, default=2**28, help="values per kernel in the bandwidth table")
     ap.add_argument(
@@ -379,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="first check every kernel against its ref (exit 1 if off)")
     ap.add_argument("--check-only", action="store_true", help="only the check")
     ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.check or args.check_only:

@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     {"config", "adams"},
     {"comm"},
     {"engine"},
-    {"simulation"},
+    {"simulation", "planning"},  # planning: lightning-scape estimate (config, comm and engine; no strategy)
     {"wiring"},
     {"fabric", "pytorch"},
     {"litgpt"},

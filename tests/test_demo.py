@@ -117,7 +117,7 @@ def test_cli_describes_each_command_and_names_an_unknown_one(capsys: pytest.Capt
     for name, description in COMMANDS.items():  # one line per command: its name, then what it does
         assert any(line.split(None, 1) == [name, description] for line in lines), lines
     assert main(["frobnicate"]) == 2
-    assert "unknown command 'frobnicate'; the commands are demo, pretrain" in capsys.readouterr().err
+    assert "unknown command 'frobnicate'; the commands are demo, pretrain, estimate" in capsys.readouterr().err
     assert main(["--frobnicate"]) == 2 and "unknown option '--frobnicate'" in capsys.readouterr().err
 
 

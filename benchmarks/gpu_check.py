@@ -1,0 +1,314 @@
+"""One command for a CUDA machine: the kernels against their references, their bandwidth, and a training run.
+
+    python -m benchmarks.gpu_check                      # on a CUDA GPU: about 5-10 minutes
+    python -m benchmarks.gpu_check --peak-gbps 3350     # a device the peak table of bench_kernels.py lacks
+    python -m benchmarks.gpu_check --tiny               # no GPU: the code path in Triton's CPU interpreter
+
+1. **Kernels against references**: every Triton kernel against its pure-PyTorch reference from the same
+   state, fp32 and bf16 (``bench_kernels.check``): indices, error feedback and scatter/decay bit for bit,
+   the AdamS arithmetic within tolerance, as ``tests/test_kernels.py`` requires on the CPU.
+2. **Bandwidth**: each kernel's achieved DRAM bandwidth against the device's peak, and the whole sparse
+   optimizer step against fused AdamW (``bench_kernels.run``).
+3. **Training**: a small litgpt model (``lightning_scape.examples.workloads``' ``small`` preset), W = 2 ranks in
+   one process (``lightning_scape.simulate``), ``bf16-mixed`` (bf16 autocast, fp32 parameters), SCAPE at
+   d = 0.01 with a schedule that fits the run, trained twice from the same weights on the same batches:
+   on the Triton kernels and on the references (``LIGHTNING_SCAPE_FORCE_REF=1``). Their losses must agree.
+
+Writes ``report.md`` and ``report.json`` under ``--out``; exits 1 when a kernel differs from its reference
+or the losses disagree. ``--tiny`` (small tensors, a few steps) runs everything on the CPU with the kernels
+in Triton's interpreter (``TRITON_INTERPRET=1``, set here before triton is imported): a test of this
+script, not a measurement (``tests/test_gpu_check.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# The training runs' losses agree when, step by step, they differ by at most this fraction of the loss, and
+# their final losses (the mean of the last tenth of the steps) by at most FINAL_RTOL. The kernels round the
+# AdamS arithmetic as IEEE does (PyTorch's CPU sqrt does not), and the last bits grow over a run.
+STEP_RTOL = 0.05
+FINAL_RTOL = 0.01
+# The --tiny problems of the kernel check (chunk size, density, rows): what the interpreter runs in seconds.
+TINY_CASES = ((8, 0.25, 7), (64, 0.1, 5), (256, 0.05, 3))
+
+
+@dataclass(frozen=True)
+class Size:
+    """What the training part runs."""
+
+    preset: str
+    steps: int
+    batch_size: int
+    block_size: int
+    dense_warmup_steps: int
+    density_ramp_steps: int
+    chunk_size: int
+    max_bytes: int
+
+
+FULL = Size("small", 300, 8, 256, 20, 60, 4096, 4_000_000)
+TINY = Size("tiny", 6, 2, 32, 2, 2, 256, 200_000)
+
+
+@contextlib.contextmanager
+def env(**values: str | None) -> Iterator[None]:
+    """Environment variables set (None: removed) for the duration of the block."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def kernels_against_refs(device: str, tiny: bool) -> dict[str, list[str]]:
+    """Per dtype, the ops whose kernel differs from its reference (``bench_kernels.check``)."""
+    from benchmarks import bench_kernels
+
+    cases = TINY_CASES if tiny else bench_kernels.CHECK_CASES
+    return {
+        name: bench_kernels.check(device, dtype, exploration=0.1, cases=cases)
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    }
+
+
+def bandwidth(device: str, peak_gbps: float | None) -> dict[str, Any]:
+    """``bench_kernels.run``: each kernel's GB/s and share of the peak, the sparse step against fused AdamW."""
+    from benchmarks import bench_kernels
+
+    argv = [] if peak_gbps is None else ["--peak-gbps", str(peak_gbps)]
+    return bench_kernels.run(bench_kernels.build_parser().parse_args(argv), device)
+
+
+def train(size: Size, device: str, reference: bool) -> dict[str, Any]:
+    """Two simulated ranks of SCAPE on the small litgpt model in bf16-mixed; the losses, times and kernel paths.
+
+    Args:
+        size: The model and run.
+        device: Where the ranks train (both on the one device).
+        reference: Run the pure-PyTorch references instead of the kernels.
+    """
+    from lightning_scape import ScapeConfig, ScapeEngine, kernels, simulate
+    from lightning_scape.comm import Communicator
+    from lightning_scape.examples import workloads as wl
+
+    tokens, _ = wl.corpus_tokens("stdlib", size.max_bytes)
+    cfg = ScapeConfig(
+        density=0.01,
+        chunk_size=size.chunk_size,
+        dense_warmup_steps=size.dense_warmup_steps,
+        density_ramp_steps=size.density_ramp_steps,
+    )
+
+    def worker(rank: int, comm: Communicator) -> dict[str, Any]:
+        model = wl.build_model(size.block_size, preset=size.preset, seed=0).to(device)
+        engine = ScapeEngine(wl.adams_optimizer(model, lr=1.5e-3), cfg, comm, list(model.parameters()))
+        gen = torch.Generator().manual_seed(1234 + rank)
+        losses, step_s = [], []
+        for step in range(size.steps):
+            x, y = (t.to(device) for t in wl.sample_batch(tokens, gen, size.batch_size, size.block_size))
+            wl.set_cosine_lr(engine.optimizer, step, size.steps, 1.5e-3, max(1, size.steps // 15))
+            t0 = time.perf_counter()
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+                loss = wl.lm_loss(model, x, y)
+            loss.backward()
+            engine.step(max_grad_norm=1.0)
+            engine.zero_grad()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            step_s.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+        # The kernels run where the dispatcher hands them the tensors and the chunk size is a power of two.
+        paths = ["triton" if kernels.use_triton(bs.params) and _pow2(bs.layout.chunk_size) else "ref"
+                 for bs in engine.buckets]  # fmt: skip
+        engine.close()
+        return {"losses": losses, "step_s": step_s, "bucket_paths": paths}
+
+    force: dict[str, str | None] = {"LIGHTNING_SCAPE_FORCE_REF": "1" if reference else None}
+    if device == "cpu" and not reference:
+        force["LIGHTNING_SCAPE_FORCE_TRITON"] = "1"  # hand the CPU tensors to the interpreted kernels
+    with env(**force):
+        ranks = simulate(2, worker)
+    losses = [statistics.fmean(r["losses"][i] for r in ranks) for i in range(size.steps)]
+    step_s = [max(r["step_s"][i] for r in ranks) for i in range(size.steps)]
+    return {"losses": losses, "step_s": step_s, "bucket_paths": ranks[0]["bucket_paths"]}
+
+
+def one_launch_at_a_time() -> None:
+    """Triton's CPU interpreter is not thread-safe: under it, the simulated ranks' kernel launches take turns.
+
+    Each ``*_triton`` launcher is replaced, in its op's module (where the dispatching op looks it up), by one
+    that holds a lock. Compiled kernels on a GPU need none of this.
+    """
+    from lightning_scape import kernels
+
+    lock = threading.Lock()
+    for name in kernels.__all__:
+        if not name.endswith("_triton") or name == "use_triton":
+            continue
+        launcher = getattr(kernels, name)
+
+        def locked(*args: Any, _launch: Any = launcher, **kwargs: Any) -> Any:
+            with lock:
+                return _launch(*args, **kwargs)
+
+        setattr(sys.modules[launcher.__module__], name, locked)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def losses_agree(kernel: list[float], reference: list[float]) -> dict[str, Any]:
+    """Whether two runs' losses agree step by step (:data:`STEP_RTOL`) and at the end (:data:`FINAL_RTOL`)."""
+    if len(kernel) != len(reference) or not kernel:
+        raise ValueError(f"the runs have {len(kernel)} and {len(reference)} losses; compare equal, non-empty runs")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(kernel, reference, strict=True))
+    tail = max(1, len(kernel) // 10)
+    final_k, final_r = statistics.fmean(kernel[-tail:]), statistics.fmean(reference[-tail:])
+    final = abs(final_k - final_r) / abs(final_r)
+    finite = all(math.isfinite(v) for v in kernel + reference)
+    return {
+        "max_step_rel_diff": worst,
+        "final_kernel": final_k,
+        "final_reference": final_r,
+        "final_rel_diff": final,
+        "agree": finite and worst <= STEP_RTOL and final <= FINAL_RTOL,
+    }
+
+
+def report_md(report: dict[str, Any]) -> str:
+    """``report.md``."""
+    dev = report["device"]
+    lines = [
+        "# GPU check",
+        "",
+        f"Device: {dev['name']} (peak {dev['peak_gbps'] or 'unknown'} GB/s), torch {dev['torch']}, "
+        f"triton {dev['triton']}, Python {dev['python']}. Command: `{report['command']}`.",
+    ]
+    if not dev["cuda"]:
+        lines += ["", "**No CUDA GPU: the kernels ran in Triton's CPU interpreter at a tiny size. Nothing here is a "
+                  "measurement; the times and bandwidths are not reported.**"]  # fmt: skip
+    lines += ["", "## Kernels against their references", ""]
+    for dtype, failures in report["kernel_check"].items():
+        lines.append(f"- {dtype}: " + ("every op matches" if not failures else "FAILED: " + "; ".join(failures)))
+    lines += ["", "## Bandwidth", ""]
+    if dev["cuda"]:
+        lines += ["| op | path | values | median ms | GB/s | % of peak |", "|---|---|---|---|---|---|"]
+        peak = dev["peak_gbps"]
+        for r in report["bandwidth"]["kernels"] + report["bandwidth"]["steps"]:
+            pct = f"{100 * r['gbps'] / peak:.1f}" if peak and r["bytes_moved"] else "n/a"
+            lines.append(
+                f"| {r['name']} | {r['path']} | {r['numel']:,} | {r['median_ms']:.3f} | {r['gbps']:.1f} | {pct} |"
+            )
+    else:
+        lines.append("Not measured (no GPU): `bench_kernels.run` ran its code path only.")
+    t = report["training"]
+    a = t["agreement"]
+    lines += [
+        "",
+        "## Training: Triton kernels against the references",
+        "",
+        f"{t['size']['preset']} model, W = 2 (simulate), bf16-mixed, d = 0.01, {t['size']['steps']} steps "
+        f"({t['size']['dense_warmup_steps']} dense warm-up, {t['size']['density_ramp_steps']}-step ramp); buckets "
+        f"on the kernels: {t['kernel']['bucket_paths']}, on the references: {t['reference']['bucket_paths']}.",
+        "",
+        f"- final loss (mean of the last tenth): kernels {a['final_kernel']:.4f}, references "
+        f"{a['final_reference']:.4f} (relative difference {a['final_rel_diff']:.2e}, allowed {FINAL_RTOL})",
+        f"- largest step-wise relative difference {a['max_step_rel_diff']:.2e} (allowed {STEP_RTOL})",
+        f"- {'the losses agree' if a['agree'] else 'THE LOSSES DISAGREE'}",
+    ]
+    if dev["cuda"]:
+        lines.append(
+            f"- median step: kernels {1e3 * t['kernel']['median_step_s']:.1f} ms, references "
+            f"{1e3 * t['reference']['median_step_s']:.1f} ms"
+        )
+    lines += ["", f"Result: **{'pass' if report['passed'] else 'FAIL'}**."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/gpu_check", help="where report.md and report.json go")
+    ap.add_argument("--tiny", action="store_true", help="small tensors and a few steps (the CPU test of this script)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default: 300; --tiny: 6)")
+    ap.add_argument("--peak-gbps", type=float, default=None, help="the device's peak DRAM bandwidth, GB/s")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        print("No CUDA GPU (torch.cuda.is_available() is False): nothing to measure. --tiny runs this script's code "
+              "path on the CPU, with the kernels in Triton's interpreter.")  # fmt: skip
+        return 0
+    if not cuda:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            print("triton was imported before TRITON_INTERPRET=1 could be set; run this script in a fresh process")
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before their first import
+    import triton
+
+    from benchmarks import bench_kernels
+
+    device = "cuda" if cuda else "cpu"
+    size = TINY if args.tiny else FULL
+    if args.steps is not None:
+        size = dataclasses.replace(size, steps=args.steps)
+    name = torch.cuda.get_device_name() if cuda else "CPU (Triton interpreter)"
+    report: dict[str, Any] = {
+        "command": "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": {
+            "name": name,
+            "cuda": cuda,
+            "peak_gbps": bench_kernels.peak_gbps(name, args.peak_gbps) if cuda else None,
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+        },
+    }
+    with env(LIGHTNING_SCAPE_FORCE_TRITON=None if cuda else "1", LIGHTNING_SCAPE_FORCE_REF=None):
+        report["kernel_check"] = kernels_against_refs(device, args.tiny)
+        report["bandwidth"] = bandwidth(device, args.peak_gbps)
+    if not cuda:
+        one_launch_at_a_time()
+    runs = {"kernel": train(size, device, reference=False), "reference": train(size, device, reference=True)}
+    for r in runs.values():
+        r["median_step_s"] = statistics.median(r["step_s"])
+    agreement = losses_agree(runs["kernel"]["losses"], runs["reference"]["losses"])
+    report["training"] = {"size": dataclasses.asdict(size), **runs, "agreement": agreement}
+    on_kernels = all(p == "triton" for p in runs["kernel"]["bucket_paths"])
+    report["passed"] = not any(report["kernel_check"].values()) and agreement["agree"] and on_kernels
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "report.json"), "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    text = report_md(report)
+    with open(os.path.join(args.out, "report.md"), "w") as fh:
+        fh.write(text)
+    print(text)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

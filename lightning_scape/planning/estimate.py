@@ -1,0 +1,206 @@
+"""Does SCAPE pay on this network? Bytes, step time and memory per rank for DDP, its bf16 hook and SCAPE.
+
+:func:`estimate` puts the pieces together: the collectives of each method
+(:mod:`~lightning_scape.planning.traffic`), the network (:mod:`~lightning_scape.planning.network`), the step
+model (:mod:`~lightning_scape.planning.predict`) and the memory (:mod:`~lightning_scape.planning.memory`);
+``lightning-scape estimate`` prints it (:mod:`~lightning_scape.planning.report`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_scape.config import ScapeConfig
+from lightning_scape.planning.memory import Memory, ddp_memory, scape_memory
+from lightning_scape.planning.network import Cluster
+from lightning_scape.planning.predict import (
+    ScheduleCost,
+    StepCompute,
+    StepTime,
+    breakeven_bandwidth,
+    mean_step,
+    schedule_cost,
+    step_time,
+)
+from lightning_scape.planning.traffic import ScapeTraffic, StepTraffic, ddp_bucket_numels, ddp_traffic, scape_layout
+
+DDP = "DDP + AdamW"
+DDP_BF16 = "DDP bf16 hook + AdamW"
+DENSITIES = (0.1, 0.01)
+# A method must be this much faster per step to be recommended over the one before it: below it, the
+# model's own error (docs/benchmarks.md, "Predicted against measured") decides.
+CLEAR_GAIN = 1.1
+
+
+@dataclass(frozen=True)
+class MethodEstimate:
+    """One method's predicted step.
+
+    Attributes:
+        name: ``"DDP + AdamW"``, ``"DDP bf16 hook + AdamW"`` or ``"SCAPE d=<density>"``.
+        density: SCAPE's density (None for DDP).
+        bytes_per_step: Bytes one rank sends per step (SCAPE: after its schedule), as the package counts them.
+        step: The step time.
+        memory: Memory per rank, activations excluded.
+        dense_bytes_per_step: SCAPE: bytes of one of its dense steps.
+        extra_counted: SCAPE: whether the engine's own work per step is part of ``step``.
+        breakeven_bps: SCAPE: per dense method, the link rate below which SCAPE's step is the faster.
+        schedule: SCAPE: what its warm-up and ramp cost against DDP.
+        run_s: The whole run's time, when its length was given.
+    """
+
+    name: str
+    density: float | None
+    bytes_per_step: float
+    step: StepTime
+    memory: Memory
+    dense_bytes_per_step: int | None = None
+    extra_counted: bool = True
+    breakeven_bps: dict[str, float] | None = None
+    schedule: ScheduleCost | None = None
+    run_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Everything ``lightning-scape estimate`` prints."""
+
+    params: int
+    cluster: Cluster
+    compute: StepCompute
+    config: ScapeConfig
+    methods: list[MethodEstimate]
+    run_steps: int | None
+    recommendation: str
+
+    def method(self, name: str) -> MethodEstimate:
+        """The method called ``name``."""
+        return next(m for m in self.methods if m.name == name)
+
+
+def scape_name(density: float) -> str:
+    """``SCAPE d=0.01``."""
+    return f"SCAPE d={density:g}"
+
+
+def estimate(
+    param_groups: list[dict[str, Any]],
+    cluster: Cluster,
+    compute: StepCompute,
+    densities: Sequence[float] = DENSITIES,
+    config: ScapeConfig | None = None,
+    run_steps: int | None = None,
+    overlap_next: bool = True,
+) -> Estimate:
+    """Predict DDP, DDP with the bf16 hook, and SCAPE at each density on ``cluster``.
+
+    Args:
+        param_groups: The trainable parameters (:func:`~lightning_scape.planning.traffic.parameter_groups`).
+        cluster: The network.
+        compute: One rank's compute per step.
+        densities: SCAPE's densities.
+        config: SCAPE's other settings (default: the package's); its density is replaced by each of ``densities``.
+        run_steps: The run's length, for its total time (None: not asked).
+        overlap_next: Whether SCAPE's index all-gathers overlap the next forward pass (the engine's schedule);
+            False charges them to the step, as the network benchmark does.
+    """
+    base = config or ScapeConfig()
+    if run_steps is not None and run_steps < 1:
+        raise ValueError(f"run_steps must be >= 1, got {run_steps}.")
+    buckets = ddp_bucket_numels(param_groups, base.bucket_cap_mb)
+    dense = {DDP: ddp_traffic(buckets), DDP_BF16: ddp_traffic(buckets, itemsize=2)}
+    W = cluster.world_size
+    methods = []
+    for name, traffic in dense.items():
+        step = step_time(traffic, compute, cluster)
+        run_s = None if run_steps is None else run_steps * step.total_s
+        methods.append(MethodEstimate(name, None, traffic.bytes_sent(W), step, ddp_memory(param_groups), run_s=run_s))
+    for d in densities:
+        cfg = base.replace(density=d)
+        methods.append(_scape(param_groups, cluster, compute, cfg, dense, run_steps, overlap_next))
+    params = sum(p.numel() for g in param_groups for p in g["params"])
+    return Estimate(params, cluster, compute, base, methods, run_steps, recommend(methods, run_steps))
+
+
+def _scape(
+    param_groups: list[dict[str, Any]],
+    cluster: Cluster,
+    compute: StepCompute,
+    cfg: ScapeConfig,
+    dense: dict[str, StepTraffic],
+    run_steps: int | None,
+    overlap_next: bool,
+) -> MethodEstimate:
+    """SCAPE at ``cfg``: its step after the schedule, the schedule's cost, and where it breaks even."""
+    W = cluster.world_size
+    layout = scape_layout(param_groups, W, cfg)
+    traffic = ScapeTraffic(layout, cfg)
+    steady = traffic.steady_state()
+    extra = compute.extra(cfg.density)
+    step = mean_step(steady, compute, cluster, extra, overlap_next)
+    span = traffic.schedule_steps
+    schedule = list(traffic.steps(max(span, 1)))
+    times = [step_time(s, compute, cluster, 0.0 if t <= cfg.dense_steps else extra, overlap_next).total_s
+             for t, s in enumerate(schedule[:span], start=1)]  # fmt: skip
+    ddp_step = step_time(dense[DDP], compute, cluster)
+    cost = schedule_cost(
+        times, [s.bytes_sent(W) for s in schedule[:span]], cfg.dense_steps, ddp_step, dense[DDP].bytes_sent(W), step
+    )
+
+    def gain_at(reference: StepTraffic) -> Callable[[float], float]:
+        def gain(bps: float) -> float:
+            at = cluster.with_bandwidth(bps)
+            scape_s = mean_step(steady, compute, at, extra, overlap_next).total_s
+            return step_time(reference, compute, at).total_s - scape_s
+
+        return gain
+
+    run_s = None
+    if run_steps is not None:
+        run_s = sum(times[:run_steps]) + max(0, run_steps - span) * step.total_s
+    return MethodEstimate(
+        name=scape_name(cfg.density),
+        density=cfg.density,
+        bytes_per_step=sum(s.bytes_sent(W) for s in steady) / len(steady),
+        step=step,
+        memory=scape_memory(layout, cfg),
+        dense_bytes_per_step=schedule[0].bytes_sent(W) if cfg.dense_steps else None,
+        extra_counted=compute.has_extra(cfg.density),
+        breakeven_bps={name: breakeven_bandwidth(gain_at(t)) for name, t in dense.items()},
+        schedule=cost,
+        run_s=run_s,
+    )
+
+
+def recommend(methods: Sequence[MethodEstimate], run_steps: int | None = None) -> str:
+    """One sentence: the method to use, and why, from the predicted steps (and the run's length, if known)."""
+    dense = min((m for m in methods if m.density is None), key=lambda m: m.step.total_s)
+    scape = min((m for m in methods if m.density is not None), key=lambda m: m.step.total_s)
+    gain = dense.step.total_s / scape.step.total_s
+    cost = scape.schedule
+    share = dense.step.exposed_s / dense.step.total_s
+    if gain >= CLEAR_GAIN and cost is not None and cost.ahead_from is not None:
+        span = cost.dense_steps + cost.ramp_steps
+        if run_steps is not None and run_steps < cost.ahead_from:
+            return (
+                f"Use {dense.name} for this run: {scape.name}'s steps are predicted {gain:.2f}x faster after its "
+                f"{span}-step warm-up and ramp, but a run of {run_steps} steps ends before it is ahead (from step "
+                f"{cost.ahead_from}); shorten --dense-warmup-steps and --density-ramp-steps, or train longer."
+            )
+        after = f"after its {span}-step warm-up and ramp " if span else ""
+        return (
+            f"Use {scape.name}: {after}its steps are predicted {gain:.2f}x faster than {dense.name}'s, and a run is "
+            f"ahead of {DDP}'s from step {cost.ahead_from} on."
+        )
+    if gain > 1:
+        return (
+            f"{scape.name} is predicted only {100 * (gain - 1):.0f}% faster per step than {dense.name}: the network "
+            f"is not the bottleneck here ({share:.0%} of its step waits for communication), so stay with {dense.name} "
+            f"unless the link is slower than this."
+        )
+    return (
+        f"SCAPE does not pay here: {dense.name} is predicted {1 / gain:.2f}x faster per step than {scape.name} "
+        f"({share:.0%} of its step waits for communication); use {dense.name}."
+    )

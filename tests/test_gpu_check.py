@@ -1,0 +1,63 @@
+"""``benchmarks/gpu_check.py`` on the CPU: the whole command at its tiny size, the kernels in Triton's interpreter."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_check import FINAL_RTOL, STEP_RTOL, losses_agree
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.dist
+def test_tiny_run_checks_the_kernels_trains_on_them_and_writes_the_report(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    pytest.importorskip("litgpt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "LIGHTNING_SCAPE_FORCE"))}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--tiny", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["passed"] and not report["device"]["cuda"]
+    assert report["kernel_check"] == {"fp32": [], "bf16": []}
+    training = report["training"]
+    # The first run trained on the (interpreted) kernels in every bucket, the second on the references.
+    assert set(training["kernel"]["bucket_paths"]) == {"triton"}
+    assert set(training["reference"]["bucket_paths"]) == {"ref"}
+    assert len(training["kernel"]["losses"]) == training["size"]["steps"] == 6
+    assert training["agreement"]["agree"]
+    # Past the 2 dense and 2 ramp steps the run is sparse, and it learns.
+    assert training["size"]["dense_warmup_steps"] + training["size"]["density_ramp_steps"] < 6
+    assert training["kernel"]["losses"][-1] < training["kernel"]["losses"][0]
+    md = (tmp_path / "report.md").read_text()
+    assert "No CUDA GPU" in md and "Nothing here is a measurement" in md and "Result: **pass**" in md
+
+
+def test_losses_agree_step_by_step_and_at_the_end() -> None:
+    ref = [4.0 - 0.01 * i for i in range(100)]
+    assert losses_agree(list(ref), ref)["agree"]
+    close = [v * (1 + 0.5 * FINAL_RTOL) for v in ref]
+    assert losses_agree(close, ref)["agree"]
+    spike = list(ref)
+    spike[40] *= 1 + 2 * STEP_RTOL  # one step far off
+    assert not losses_agree(spike, ref)["agree"]
+    drift = [v * (1 + 2 * FINAL_RTOL) for v in ref]  # every step within STEP_RTOL, the end too far
+    result = losses_agree(drift, ref)
+    assert not result["agree"] and result["max_step_rel_diff"] <= STEP_RTOL
+    assert not losses_agree([*ref[:-1], math.nan], ref)["agree"]
+    with pytest.raises(ValueError, match="compare equal, non-empty runs"):
+        losses_agree(ref[:10], ref)
