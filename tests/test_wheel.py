@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -76,6 +77,21 @@ USER_SCRIPT = textwrap.dedent(
 )
 
 
+def _tracked_copy(dest: Path) -> Path:
+    """The checkout's tracked files, links kept as links: a build there cannot pick up stale build/ output."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True).stdout
+    for name in files.decode().split("\0"):
+        if not name:
+            continue
+        src, dst = REPO / name, dest / name
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            dst.symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, dst)
+    return dest
+
+
 def _fresh_environment(tmp: Path) -> Path:
     """A new virtual environment whose site-packages also sees this environment's dependencies."""
     env = tmp / "env"
@@ -93,19 +109,20 @@ def _fresh_environment(tmp: Path) -> Path:
 @pytest.mark.dist
 def test_built_wheel_installs_imports_every_module_and_trains(tmp_path: Path) -> None:
     wheel_dir = tmp_path / "wheel"
+    source = _tracked_copy(tmp_path / "source")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), "."],
-        cwd=REPO,
+        cwd=source,
         check=True,
         capture_output=True,
     )
     (wheel,) = wheel_dir.glob("lightning_scape-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     # Every package of the checkout is in the wheel (discovered, never listed), the kernels and recipes too.
-    packages = {str(p.parent.relative_to(REPO)) for p in (REPO / "lightning_scape").rglob("__init__.py")}
+    packages = {str(p.parent.relative_to(source)) for p in (source / "lightning_scape").rglob("__init__.py")}
     assert {f"{p}/__init__.py" for p in packages} <= set(names)
     assert "lightning_scape/kernels/sparse_adams.py" in names
-    assert {f"lightning_scape/recipes/{r.name}" for r in (REPO / "recipes").glob("*.yaml")} <= set(names)
+    assert {f"lightning_scape/recipes/{r.name}" for r in (source / "recipes").glob("*.yaml")} <= set(names)
 
     env = _fresh_environment(tmp_path)
     pip_env = {**os.environ, "PIP_NO_INDEX": "1"}
@@ -137,16 +154,16 @@ def test_built_wheel_installs_imports_every_module_and_trains(tmp_path: Path) ->
     result = json.loads(line[len("RESULT ") :])
     assert result["root"].startswith(str(env)), result["root"]
     assert not result["outside"]
-    shipped = {r.stem for r in (REPO / "recipes").glob("*.yaml")}
+    shipped = {r.stem for r in (source / "recipes").glob("*.yaml")}
     assert set(result["recipes"]) == shipped
     assert all(path.startswith(result["root"]) for path in result["recipes"].values())
     assert result["debug_model"] == "scape-debug"
     expected = {
-        p.relative_to(REPO).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
-        for p in (REPO / "lightning_scape").rglob("*.py")  # rglob does not enter the kernels link
+        p.relative_to(source).with_suffix("").as_posix().replace("/", ".").removesuffix(".__init__")
+        for p in (source / "lightning_scape").rglob("*.py")  # rglob does not enter the kernels link
     }
     expected |= {"lightning_scape.kernels"} | {
-        f"lightning_scape.kernels.{p.stem}" for p in (REPO / "kernels").glob("[!_]*.py")
+        f"lightning_scape.kernels.{p.stem}" for p in (source / "kernels").glob("[!_]*.py")
     }
     assert expected - {"lightning_scape"} <= set(result["modules"])
     assert result["sparse_steps"] == 5
