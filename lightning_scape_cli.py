@@ -22,18 +22,19 @@ PROG = "lightning-scape"
 
 # One line per command, for ``lightning-scape --help``.
 COMMANDS: dict[str, str] = {
-    "demo": "dense AdamS against SCAPE (d=0.01) on 2 CPU processes on real text: bytes per step, losses, a plot",
+    "demo": "DDP + AdamS against SCAPE (d=0.01) on 2 CPU processes on real text: bytes per step, losses, a plot",
     "pretrain": "pretrain a litgpt model with SCAPE from a YAML recipe (recipes/debug.yaml: 2 CPU processes)",
     "estimate": "does SCAPE pay on your network? bytes, step time and memory per rank against DDP, predicted",
 }
 
 DEMO_DESCRIPTION = """\
-Dense AdamS against SCAPE on real text, on 2 CPU processes of this machine (gloo): about 2-3 minutes on
+DDP + AdamS against SCAPE on real text, on 2 CPU processes of this machine (gloo): about 2-3 minutes on
 2 cores.
 
 A small litgpt GPT (0.86M parameters, byte tokens) trains twice through Lightning Fabric with the same seed,
-data order and learning-rate schedule: once dense (every gradient all-reduced, what DDP sends), once with
-SCAPE, which sends 1% of the gradient values after a short dense warm-up. The text is a folder of your own
+data order and learning-rate schedule: once as DDP + AdamS (every fp32 gradient all-reduced, what DDP sends,
+and SCAPE's optimizer AdamS on every rank), once with SCAPE, which sends 1% of the gradient values after a
+short dense warm-up and density ramp. The text is a folder of your own
 (--data) or, by default, the Python standard library's sources (no download).
 
 The table prints the bytes each method sends per step, their ratio to DDP, the training throughput and the

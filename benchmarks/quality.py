@@ -299,7 +299,7 @@ def write_report(out: str, done: dict[str, dict[str, Any]]) -> str:
     """``quality.md`` (one table per table of :data:`TABLES` with finished runs), ``curves.csv`` and the plots."""
     lines = [
         f"W = {WORLD_SIZE} (simulated), 128-byte sequences, AdamS, cosine LR peak {PEAK_LR}, clip {CLIP}; "
-        "'vs dense': final validation loss over dense AdamS's with the same seed (mean ± spread over seeds); "
+        "'vs dense': final validation loss over DDP + AdamS's with the same seed (mean ± spread over seeds); "
         "bytes: rank 0's, over what DDP's all-reduce of the same gradients sends.",
     ]
     in_tables: set[str] = set()

@@ -14,6 +14,7 @@ from lightning_scape.fabric import ScapeFSDPStrategy, ScapeStrategy  # Fabric's 
 from lightning_scape.pytorch.monitors import CommunicationMonitor, MaskMonitor
 from lightning_scape.simulation import simulate
 from lightning_scape.wiring.optimizer import ScapeOptimizer
+from lightning_scape.wiring.setup_checks import OneProcessWarning
 from lightning_scape.wiring.warmup_notice import DenseWarmupWarning
 
 __version__ = "0.1.0.dev0"
@@ -25,6 +26,7 @@ __all__ = [
     "Communicator",
     "DenseWarmupWarning",
     "MaskMonitor",
+    "OneProcessWarning",
     "ProcessGroupCommunicator",
     "ScapeConfig",
     "ScapeEngine",

@@ -63,6 +63,18 @@ class AdamS(Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state written by :meth:`state_dict`; the optimizer entry of a SCAPE checkpoint is refused.
+
+        A SCAPE strategy's checkpoint holds, where the optimizer's state would be, a stub whose per-rank state
+        lives in other files; it says so in place of a step count, and that message is raised here.
+        """
+        for param_state in state_dict.get("state", {}).values():
+            step = param_state.get("step") if isinstance(param_state, dict) else None
+            if isinstance(step, bytes):
+                raise ValueError(step.decode())
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One AdamS step over every parameter that has a gradient.

@@ -80,6 +80,13 @@ class ScapeConfig:
         seed: Seed of the shared random generator (``mask_statistic="random"``).
         collective_timeout_s: Seconds a wait on a collective may take before the engine raises an
             error naming the collective (real process groups also use their own timeout).
+        resume_with_new_config: Resume a checkpoint written with other SCAPE settings, on purpose: the weights,
+            momentum, last-sent steps and residuals carry over (no gradient mass is lost) and the masks are
+            rebuilt for the new settings, as when a checkpoint is re-sharded onto another number of processes.
+            ``density``, the schedule (``dense_warmup_steps``, ``density_ramp_steps``, ``density_ramp_shape``),
+            the mask options, ``exploration``, ``catch_up_cap`` and ``seed`` may change; ``chunk_size``,
+            ``sharded`` and ``bucket_cap_mb`` may not (they decide how the state is laid out). False (the
+            default) refuses a checkpoint whose settings differ, so that a typo does not change a run silently.
     """
 
     density: float = 0.01
@@ -96,6 +103,7 @@ class ScapeConfig:
     bucket_cap_mb: float = 25.0
     seed: int = 0
     collective_timeout_s: float = 1800.0
+    resume_with_new_config: bool = False
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -216,6 +224,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("catch_up_cap", lambda value: value >= 1.0, "must be >= 1 (steps of movement at once)."),
     ("bucket_cap_mb", lambda value: value > 0.0, "must be > 0."),
     ("collective_timeout_s", lambda value: value > 0.0, "must be > 0."),
+    ("resume_with_new_config", lambda value: isinstance(value, bool), "must be True or False."),
 )
 
 
@@ -248,6 +257,7 @@ class ScapeOptions(TypedDict, total=False):
     bucket_cap_mb: float
     seed: int
     collective_timeout_s: float
+    resume_with_new_config: bool
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ScapeConfig))

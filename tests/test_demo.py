@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import write_corpus
 
-from lightning_scape.examples.demo import CSV_COLUMNS
+from lightning_scape.examples.demo import CSV_COLUMNS, speed_phrase
 from lightning_scape_cli import COMMANDS, demo_command, main
 
 STEPS, EVAL_EVERY = 6, 4
@@ -19,7 +19,7 @@ STEPS, EVAL_EVERY = 6, 4
 
 @pytest.mark.dist
 def test_demo_on_a_text_folder_writes_table_csv_and_png(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LIGHTNING_SCAPE_CACHE", str(tmp_path / "cache"))  # TextFolder's token cache
     corpus, out = tmp_path / "corpus", tmp_path / "out"
@@ -27,19 +27,37 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
     argv = ["--steps", str(STEPS), "--warmup", "2", "--ramp", "0", "--batch-size", "2", "--block-size", "64"]
     argv += ["--eval-every", str(EVAL_EVERY), "--data", str(corpus), "--out", str(out)]
     dense, scape = demo_command(argv)
-    text = capsys.readouterr().out
-    assert "dense AdamS" in text and "SCAPE d=0.01" in text and "kB sent per step" in text
+    captured = capfd.readouterr()  # capfd: the spawned processes' log lines too
+    text, logs = captured.out, captured.out + captured.err
+    assert "DDP + AdamS" in text and "SCAPE d=0.01" in text and "kB sent per step" in text
+    assert "DDP + AdamS (one fp32 all-reduce of every gradient per step, what DDP sends" in text
+    # The baseline runs no SCAPE schedule and does not log one; the SCAPE run logs its own, once.
+    banners = [line for line in logs.splitlines() if line.startswith("lightning_scape: SCAPE on")]
+    assert len(banners) == 1 and "the first 2 steps dense" in banners[0], banners
     assert str(out / "demo.csv") in text and str(out / "demo.png") in text
     # Distinct column heads: the steps after SCAPE's warm-up, and the whole run.
     head = next(line for line in text.splitlines() if line.startswith("method"))
     assert head.split() == ["method", "tokens/s", *["steps", "3-6", "steps", "1-6"] * 2, "train", "loss", "val", "loss"]
-    rows = {line[:14].strip(): line[14:].split() for line in text.splitlines() if line.startswith(("dense", "SCAPE"))}
+    table = text.split(head, 1)[1].splitlines()[1:3]  # the two rows under the head
+    rows = {line[:14].strip(): line[14:].split() for line in table}
+    assert set(rows) == {"DDP + AdamS", "SCAPE d=0.01"}
     assert float(rows["SCAPE d=0.01"][1]) == pytest.approx(scape["bytes_per_step"] / 1e3, abs=0.05)
     assert float(rows["SCAPE d=0.01"][2]) == pytest.approx(scape["bytes_per_step_all"] / 1e3, abs=0.05)
     # The notes say what the numbers mean, with this run's quality gap and throughput.
     gap = scape["val_loss"] - dense["val_loss"]
     assert f"Quality: SCAPE ends {abs(gap):.3f} nats" in text and ("above" if gap >= 0 else "below") in text
     assert "loopback, which is never the" in text and "benchmarks/network/" in text
+    assert "differ by" not in text and ("same within noise" in text or "tokens/s are" in text)
+    # SCAPE sends more than the baseline in one step only, its last dense one (step 2): by the indices of the
+    # first sparse step's mask, all-gathered a step ahead; the note names the step and the cause.
+    extra = [
+        (i + 1, s - d)
+        for i, (s, d) in enumerate(zip(scape["bytes_sent"], dense["bytes_sent"], strict=True))
+        if s > d + 64
+    ]
+    assert [step for step, _ in extra] == [2]
+    assert 0 <= extra[0][1] - scape["index_bytes"][1] <= 64 and not any(dense["index_bytes"])
+    assert "Step 2, SCAPE's last dense step, sends" in " ".join(text.split())
 
     # SCAPE's sparse steps send about (W-1)/W * d N (b_g + b_p + b_i) = 1% * 10/4 of DDP's 2 (W-1)/W N b.
     assert scape["bytes_per_step"] < dense["bytes_per_step"] / 50
@@ -75,6 +93,17 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
 
     png = (out / "demo.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_speed_note_calls_a_difference_below_half_a_percent_noise_and_signs_the_rest() -> None:
+    def phrase(scape_tokens_per_s: float) -> str:
+        return speed_phrase({"tokens_per_s": scape_tokens_per_s}, {"tokens_per_s": 1000.0})
+
+    for same in (1000.0, 996.0, 1004.9):  # -0.4% .. +0.49%: never a signed "0%"
+        assert phrase(same) == "the two throughputs are the same within noise."
+    assert "SCAPE's tokens/s are 2.0% lower than DDP + AdamS's" in phrase(980.0)
+    assert "SCAPE's tokens/s are 0.6% higher than DDP + AdamS's" in phrase(1006.0)
+    assert "-" not in phrase(900.0).split("tokens/s are")[1].split("%")[0]
 
 
 @pytest.mark.dist

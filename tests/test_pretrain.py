@@ -30,6 +30,7 @@ EXPECTED_PARAMS = {
     "pythia-160m": 162_322_944,
     "llama-500m": 518_119_680,
     "llama-1.8b": 1_803_803_904,
+    "llama-3-8b": 8_030_261_248,
 }
 
 
@@ -94,6 +95,44 @@ def test_bad_values_exit_2_with_a_message_naming_the_fix(
     assert run_pretrain(["--config", DEBUG, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lightning-scape pretrain:") and message in err, err
+
+
+def test_a_data_folder_without_text_is_refused_before_launch_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty, binary = tmp_path / "empty", tmp_path / "binary"
+    empty.mkdir()
+    binary.mkdir()
+    (binary / "weights.bin").write_bytes(b"\x00\x01" * 100)
+    (binary / "image.png").write_bytes(b"\x89PNG\x00" * 10)
+    cases = [("/no/such/folder", "does not exist"), (empty, "no files under"), (binary, "2 skipped as binary")]
+    for folder, message in cases:
+        assert run_pretrain(["--config", DEBUG, "--data", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("lightning-scape pretrain: TextFolder:") and message in err, err
+        assert err.count("\n") == 1, err  # one line: no jsonargparse dump, no traceback of a launched rank
+
+
+def test_resume_with_changed_scape_settings_is_refused_before_launch_naming_the_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_scape.litgpt.pretrain import check_resume
+    from lightning_scape.wiring.checkpoint_protocol import make_stub
+
+    saved = parse(["--config", DEBUG])[1]["scape"]
+    ckpt = tmp_path / "out" / "step-00000020" / "lit_model.pth"
+    ckpt.parent.mkdir(parents=True)
+    full = {"scape": {"world_size": 2, "config": saved.to_dict(), "step_count": 20}, "param_groups": [{"params": [0]}]}
+    torch.save({"model": {}, "optimizer": make_stub(full, "id"), "iter_num": 80}, ckpt)
+    assert run_pretrain(["--config", DEBUG, "--resume", str(ckpt), "--scape.density", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--resume {ckpt} was written with other SCAPE settings" in err, err
+    assert "(--scape.density 0.01)" in err and "--scape.resume_with_new_config true" in err
+    check_resume(False, tmp_path, saved)  # no resume: nothing to read
+    check_resume(ckpt, tmp_path, saved)  # the same settings, or new ones on purpose: launched
+    check_resume(True, tmp_path / "out", saved.replace(density=0.1, resume_with_new_config=True))
+    with pytest.raises(RecipeError, match="how the state is laid out"):
+        check_resume(ckpt, tmp_path, saved.replace(chunk_size=64, resume_with_new_config=True))
 
 
 def test_bpe_vocab_larger_than_the_embedding_is_refused(tmp_path: Path) -> None:

@@ -443,6 +443,36 @@ def test_checkpoint_from_another_configuration_is_refused(trainer_runs: str) -> 
 
 
 @scenario("trainer")
+def resume_with_a_new_density_on_purpose(outdir: str) -> None:
+    """Resuming ``last.ckpt`` (density 0.1) at density 0.2 with ``resume_with_new_config=True``; the layout."""
+    last = os.path.join(checkpoint_dir(outdir), "last.ckpt")
+    new = ScapeStrategy(**{**SCAPE, "density": 0.2, "resume_with_new_config": True})
+    trainer = fit_and_record("new_density", outdir, new, max_epochs=3, ckpt_path=last)
+    layout = [(b.layout.numel, b.layout.padded_numel, b.layout.chunk_size) for b in trainer.strategy.engine.buckets]
+    save_output(outdir, "new_density_layout", dist.get_rank(), layout)
+
+
+def test_a_new_density_on_purpose_resumes_and_sends_the_new_densitys_bytes(trainer_runs: str) -> None:
+    from lightning_scape.engine.layout import Bucket
+    from lightning_scape.wiring.run_traffic import sparse_step_bytes
+
+    layout = [
+        Bucket(0, 0, torch.float32, torch.device("cpu"), numel=n, padded_numel=p, world_size=2, chunk_size=c)
+        for n, p, c in runs(trainer_runs, "new_density_layout")[0]
+    ]
+    new, old = runs(trainer_runs, "new_density"), runs(trainer_runs, "resumed")
+    assert_plain_replicas(new)
+    cfg = new[0]["config"]
+    assert cfg.density == 0.2 and cfg.resume_with_new_config
+    assert new[0]["steps"][0]["step_count"] == old[0]["steps"][0]["step_count"]  # the step counter continued
+    for step in new[0]["steps"]:  # every step of the resumed fit is sparse, at the new density
+        sent = step["sent"]
+        assert sent["dense"] == 0 and sent["values"] + sent["params"] == sparse_step_bytes(layout, cfg, 2, 1000)
+    first_old = old[0]["steps"][0]["sent"]
+    assert new[0]["steps"][0]["sent"]["values"] > first_old["values"]  # more than the saved density sent
+
+
+@scenario("trainer")
 def resume_with_a_truncated_rank_file(outdir: str) -> None:
     """Resuming a copy of ``last.ckpt`` whose rank-1 file is cut in half: the error on each rank, and the
     parameters before and after."""

@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 # Version 2: masks are saved as their indices alone, and the byte counters without received bytes.
 STATE_VERSION = 2
 # Fields that may differ between the run that saved a state and the one that loads it.
-_RESUMABLE_CHANGES = frozenset({"collective_timeout_s"})
+_RESUMABLE_CHANGES = frozenset({"collective_timeout_s", "resume_with_new_config"})
+# Fields that decide how the state is laid out: not even ``resume_with_new_config`` changes them.
+_LAYOUT_FIELDS = ("chunk_size", "sharded", "bucket_cap_mb")
 # In a re-sharded state: the world size that saved it. Its masks are empty and rebuilt when it is loaded.
 RESHARDED_FROM = "resharded_from"
 
@@ -357,18 +359,38 @@ def _check_config(engine: ScapeEngine, state: dict[str, Any]) -> None:
     check_config(engine.config, state["config"])
 
 
+def config_changes(config: ScapeConfig, saved: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The fields in which ``config`` differs from ``saved`` (a ``to_dict``), as ``{field: (saved, current)}``.
+
+    ``collective_timeout_s`` and ``resume_with_new_config`` are left out: they never keep a state from loading.
+    """
+    mine = config.to_dict()
+    return {k: (saved.get(k), v) for k, v in mine.items() if k not in _RESUMABLE_CHANGES and saved.get(k) != v}
+
+
 def check_config(config: ScapeConfig, saved: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` unless a state saved with configuration ``saved`` (a ``to_dict``) resumes under ``config``.
 
-    Every field must match except ``collective_timeout_s``; the message lists the fields that differ.
+    Every field must match except ``collective_timeout_s``, or, with ``config.resume_with_new_config``, all but
+    the layout's (``chunk_size``, ``sharded``, ``bucket_cap_mb``); the message lists the fields that differ.
     """
-    mine = config.to_dict()
-    diff = {k: (saved.get(k), v) for k, v in mine.items() if k not in _RESUMABLE_CHANGES and saved.get(k) != v}
-    if diff:
-        raise ValueError(
-            f"SCAPE state comes from another configuration (field: (saved, current)): {diff}. Resume with "
-            "the configuration the checkpoint was written with."
-        )
+    diff = config_changes(config, saved)
+    if not diff:
+        return
+    if config.resume_with_new_config:
+        fixed = {k: v for k, v in diff.items() if k in _LAYOUT_FIELDS}
+        if fixed:
+            raise ValueError(
+                f"SCAPE state cannot be carried into these settings (field: (saved, current)): {fixed}: they decide "
+                "how the state is laid out. Keep the saved values; resume_with_new_config=True carries the state into "
+                "any other change."
+            )
+        return
+    raise ValueError(
+        f"SCAPE state comes from another configuration (field: (saved, current)): {diff}. Resume with "
+        "the configuration the checkpoint was written with, or pass resume_with_new_config=True to carry the "
+        "weights, momentum and residuals into the new one (the masks are rebuilt)."
+    )
 
 
 def _check_peak_lr(engine: ScapeEngine, state: dict[str, Any]) -> None:

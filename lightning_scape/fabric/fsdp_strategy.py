@@ -30,6 +30,7 @@ from lightning_scape.engine import ScapeEngine
 from lightning_scape.wiring import fsdp, fsdp_checkpoint, registry
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
+from lightning_scape.wiring.warmup_notice import Syntax, WarmupNotice
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
@@ -185,6 +186,13 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
         self._scape_optimizers.append(scape)
         self._bindings.append(binding)
         return scape
+
+    def warn_if_all_dense(self, planned_steps: float | None, syntax: Syntax = "python") -> None:
+        """Warn once, on rank 0, if the run's ``planned_steps`` would all be sent dense (a ``DenseWarmupWarning``).
+
+        As :meth:`lightning_scape.ScapeStrategy.warn_if_all_dense`: for training loops that know their length.
+        """
+        WarmupNotice().before_run(self.scape_config, planned_steps, syntax=syntax)
 
     # ----------------------------------------------------------------------------------------- a step
 

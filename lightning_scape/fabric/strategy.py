@@ -29,7 +29,15 @@ from typing_extensions import Unpack, override
 
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring import checkpoint_protocol, engine_setup, loss_scaling, registry, warmup_notice
+from lightning_scape.wiring import (
+    checkpoint_protocol,
+    engine_setup,
+    loss_scaling,
+    rank_failures,
+    registry,
+    setup_checks,
+    warmup_notice,
+)
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
 
@@ -113,6 +121,7 @@ class ScapeStrategy(DDPStrategy):
         # Fabric does not know when a run ends: the warm-up notice comes at teardown, or when the process exits.
         self._warmup_notice = warmup_notice.WarmupNotice()
         self._exit_hook_registered = False
+        self._planned_steps: tuple[float | None, warmup_notice.Syntax] | None = None  # until an engine gives the layout
 
     @property
     def checkpoint_world_size(self) -> int | None:
@@ -147,18 +156,23 @@ class ScapeStrategy(DDPStrategy):
         self, module: Module, optimizers: list[Optimizer], scheduler: _LRScheduler | None = None
     ) -> tuple[Module, list[Optimizer], _LRScheduler | None]:
         """Broadcast rank 0's weights, lay the parameters out for SCAPE and wrap the optimizer."""
-        if len(optimizers) != 1:
-            names = ", ".join(type(opt).__name__ for opt in optimizers)
-            raise ValueError(
-                f"ScapeStrategy steps one optimizer per model, got {len(optimizers)} ({names}). Put all parameters in "
-                "param groups of one AdamS / AdamW (a group per learning rate)."
-            )
+        with rank_failures.agreed("Setting up ScapeStrategy"):  # an error on any rank: reported once, by rank 0
+            if len(optimizers) != 1:
+                names = ", ".join(type(opt).__name__ for opt in optimizers)
+                raise ValueError(
+                    f"ScapeStrategy steps one optimizer per model, got {len(optimizers)} ({names}). Put all "
+                    "parameters in param groups of one AdamS / AdamW (a group per learning rate)."
+                )
         module = self.setup_module(module)
         return module, [self.setup_optimizer(optimizers[0])], scheduler
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]
         """Give every rank rank 0's parameters and buffers; the module is not wrapped."""
+        with rank_failures.agreed("Setting up ScapeStrategy"):  # an error on any rank: reported once, by rank 0
+            setup_checks.refuse_low_precision(self.precision)
+        if not self._scape_modules:
+            setup_checks.warn_if_one_process(self.world_size, "Fabric")
         engine_setup.broadcast_module_states(module)
         self._scape_modules.append(module)
         return module
@@ -168,8 +182,10 @@ class ScapeStrategy(DDPStrategy):
         """Build the SCAPE engine for ``optimizer`` (its parameters become views of flat buffers)."""
         module = next((m for m in reversed(self._scape_modules) if _shares_params(m, optimizer)), None)
         scaler = loss_scaling.grad_scaler_of(self.precision)
-        scape = engine_setup.build_scape_optimizer(optimizer, self.scape_config, module, scaler)
+        with rank_failures.agreed("Setting up the optimizer for ScapeStrategy"):
+            scape = engine_setup.build_scape_optimizer(optimizer, self.scape_config, module, scaler)
         self._scape_optimizers.append(scape)
+        self._check_schedule()
         if not self._exit_hook_registered:
             warmup_notice.call_at_exit(self._note_end_of_run)
             self._exit_hook_registered = True
@@ -300,7 +316,7 @@ class ScapeStrategy(DDPStrategy):
         checkpoint, full = checkpoint_protocol.read_and_check(
             self.checkpoint_io,
             path,
-            lambda main: _load_plan(main, state, scape, strict),
+            lambda main: _load_plan(main, state, scape, strict, self.scape_config),
             rank=self.global_rank,
             world_size=self.world_size,
             weights_only=weights_only,
@@ -330,18 +346,34 @@ class ScapeStrategy(DDPStrategy):
         engine_setup.close_engines(self._scape_optimizers, wait=not self._failed)
         super().teardown()
 
-    def warn_if_all_dense(self, planned_steps: float | None) -> None:
-        """Warn once, on rank 0, if the run's steps would all be sent dense (a ``DenseWarmupWarning``).
+    def warn_if_all_dense(self, planned_steps: float | None, syntax: warmup_notice.Syntax = "python") -> None:
+        """Warn once, on rank 0, if the run's steps would all be sent dense (a ``DenseWarmupWarning``), or would end
+        inside the density ramp or send more than a quarter of DDP's bytes (then with a schedule scaled to the run).
 
-        Fabric does not know how long a run will be, so without this call the warning comes at the end of the
-        run. A training loop that knows its length (``lightning-scape pretrain``) calls it before the first
-        step, while the warm-up can still be changed.
+        Fabric does not know how long a run will be, so without this call a run that never left its dense steps
+        is told at its end. A training loop that knows its length (``lightning-scape pretrain``) calls it before
+        the first step, while the schedule can still be changed; called before ``fabric.setup``, the bytes are
+        computed (and the warning given) once the optimizer is set up.
 
         Args:
             planned_steps: The optimizer steps the run will take; None or inf when not known (then nothing is
                 said now).
+            syntax: How the message writes the settings: ``"python"`` (``ScapeStrategy(...)``) or ``"cli"``
+                (``--scape.dense_warmup_steps N``, the ``pretrain`` command's flags).
         """
-        self._warmup_notice.before_run(self.scape_config, planned_steps)
+        self._planned_steps = (planned_steps, syntax)
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """The notice of :meth:`warn_if_all_dense`, once an engine gives the layout (an all-dense run: at once)."""
+        if self._planned_steps is None:
+            return
+        planned, syntax = self._planned_steps
+        layout = [bs.layout for bs in self._scape_optimizers[-1].engine.buckets] if self._scape_optimizers else None
+        if layout is None and planned is not None and planned > self.scape_config.dense_steps:
+            return  # wait for the layout (setup_optimizer)
+        self._warmup_notice.before_run(self.scape_config, planned, layout, self.world_size, syntax)
+        self._planned_steps = None
 
     def _note_end_of_run(self) -> None:
         """Warn (once, rank 0) if the run ended inside its dense warm-up; called at teardown and at exit."""
@@ -374,7 +406,11 @@ class _ScapeBackwardSyncControl(_BackwardSyncControl):
 
 
 def _load_plan(
-    checkpoint: dict[str, Any], state: dict[str, Any], scape: dict[str, ScapeOptimizer], strict: bool
+    checkpoint: dict[str, Any],
+    state: dict[str, Any],
+    scape: dict[str, ScapeOptimizer],
+    strict: bool,
+    config: ScapeConfig,
 ) -> checkpoint_protocol.LoadPlan:
     """What ``fabric.load(path, state)`` loads from ``checkpoint``: the state's SCAPE optimizers and modules.
 
@@ -383,6 +419,8 @@ def _load_plan(
         state: What the user asked to load, by key.
         scape: The SCAPE optimizers among ``state``, by key.
         strict: Whether every key of ``state`` must be in the checkpoint and modules must fit exactly.
+        config: The strategy's SCAPE configuration, which the stubs' must match (or, with
+            ``resume_with_new_config``, may differ from: the state is then carried over and its masks rebuilt).
 
     Returns:
         The plan for :func:`~lightning_scape.wiring.checkpoint_protocol.read_and_check`.
@@ -395,6 +433,7 @@ def _load_plan(
         },
         required=tuple(state) if strict else (),
         name_keys=True,
+        config=config if scape else None,
     )
 
 

@@ -536,6 +536,17 @@ class TextFolder(DataModule):
         self.batch_size = batch_size
         self.max_seq_length = max_seq_length
 
+    def check_text(self) -> None:
+        """Raise ``ValueError`` unless the corpus holds text: what the cache build would refuse, found cheaply.
+
+        Lists the files and reads them in order only until the first ``SNIFF_BYTES`` of text are found, so a
+        missing, empty or binary-only folder is refused before any process is launched.
+        """
+        if self.path is None:
+            return
+        _check_corpus_path(self.path)
+        _read_documents(_Corpus.scan(self.path), str(self.path), SNIFF_BYTES)
+
     def prepare_data(self) -> None:
         """Read, split and tokenize the corpus into the cache, unless an up-to-date entry is there.
 

@@ -10,13 +10,15 @@ of a run and restores every attribute when it ends:
 - ``litgpt.pretrain.fit``: :func:`fit_continues_on_world_size`, which calls :func:`continue_on_world_size` to
   rescale the position litgpt saved when the number of processes changed.
 - ``litgpt.pretrain.validate``: :func:`validate_outside_clock`.
-- ``litgpt.pretrain.save_checkpoint``: :func:`save_checkpoint_outside_clock`.
+- ``litgpt.pretrain.save_checkpoint``: :func:`save_checkpoint_outside_clock`, and with the FSDP form
+  (:class:`~lightning_scape.ScapeFSDPStrategy`) :func:`save_checkpoint_sharded`.
+- ``litgpt.pretrain.find_resume_path``, with the FSDP form: :func:`find_sharded_resume_path`.
 - ``torch._dynamo.config.disable``, against the ``torch.compile`` litgpt always applies: :func:`compile_if`.
 - ``fabric.print``, against litgpt's closing "Tok/sec" line: :func:`print_without_tok_sec`.
 
 Written for litgpt 0.5 (``pyproject.toml`` allows ``litgpt>=0.5,<0.6``) and checked against litgpt 0.5.13.
 ``tests/test_pretrain.py`` exercises them alone and through whole runs, ``tests/test_reshard_pretrain.py`` the
-resume on another number of processes.
+resume on another number of processes, ``tests/test_fsdp_pretrain.py`` the FSDP form's saves and resume.
 """
 
 from __future__ import annotations
@@ -70,12 +72,22 @@ def litgpt_adapted(
         if hasattr(module, "fit"):  # always, in litgpt; a stand-in may leave it out
             stack.enter_context(fit_continues_on_world_size(module))
         stack.enter_context(compile_if(compile))
+        if fabric is not None and _is_fsdp_form(fabric) and hasattr(module, "find_resume_path"):
+            stack.enter_context(save_checkpoint_sharded(module))
+            stack.enter_context(find_sharded_resume_path(module))
         if clock is not None:
             stack.enter_context(validate_outside_clock(module, clock))
             stack.enter_context(save_checkpoint_outside_clock(module, clock))
         if fabric is not None:
             stack.enter_context(print_without_tok_sec(fabric))
         yield
+
+
+def _is_fsdp_form(fabric: Any) -> bool:
+    """Whether the run's strategy is the FSDP form, which saves checkpoint folders."""
+    from lightning_scape.fabric.fsdp_strategy import ScapeFSDPStrategy
+
+    return isinstance(getattr(fabric, "strategy", None), ScapeFSDPStrategy)
 
 
 @contextlib.contextmanager
@@ -208,6 +220,102 @@ def save_checkpoint_outside_clock(module: Any, clock: PausableClock) -> Abstract
         The context inside which the adaptation holds.
     """
     return _replaced(module, "save_checkpoint", _outside_clock(module.save_checkpoint, clock))
+
+
+def sharded_folder(checkpoint_file: Path) -> Path:
+    """The FSDP form's checkpoint folder for litgpt's ``checkpoint_file``: ``lit_model.pth.scape``."""
+    return Path(f"{checkpoint_file}.scape")
+
+
+def save_checkpoint_sharded(module: Any) -> AbstractContextManager[None]:
+    """Adapt ``litgpt.pretrain.save_checkpoint`` for the FSDP form: a sharded folder, and the whole model beside it.
+
+    litgpt: ``save_checkpoint(fabric, state, tokenizer_dir, checkpoint_file)`` calls ``fabric.save(checkpoint_file,
+    state)`` for ``out_dir/step-XXXXXXXX/lit_model.pth`` (and ``out_dir/final/lit_model.pth``), then on rank 0
+    writes ``hyperparameters.yaml`` and ``model_config.yaml`` into the same folder. With litgpt's own FSDP strategy
+    that one file holds the gathered model, optimizer and loop state.
+
+    Change: with :class:`~lightning_scape.ScapeFSDPStrategy`, litgpt's ``save_checkpoint`` saves ``state`` to the
+    folder ``lit_model.pth.scape/`` (:func:`sharded_folder`: one file per rank with its model shard and SCAPE
+    state, and ``meta.pt`` with the layout and litgpt's loop state); then the first group gathers the model one
+    tensor at a time and rank 0 writes it to ``lit_model.pth`` as ``{"model": state_dict}``.
+
+    Why: the FSDP form's checkpoints are folders (no rank holds the whole optimizer state), and they resume
+    bitwise (:func:`find_sharded_resume_path`). The gathered ``lit_model.pth`` keeps every checkpoint folder a
+    litgpt checkpoint (``litgpt generate``, ``litgpt convert_from_litgpt``, ``initial_checkpoint_dir`` of a
+    DDP-form run); rank 0 holds the whole model in CPU memory while it writes it, as litgpt's own FSDP saves do.
+
+    Relies on: ``save_checkpoint``'s four positional arguments, ``state["model"]`` and the strategy's ``grid``.
+
+    Args:
+        module: ``litgpt.pretrain``.
+
+    Returns:
+        The context inside which the adaptation holds.
+    """
+    litgpt_save = module.save_checkpoint
+
+    def save_checkpoint(fabric: Any, state: dict[str, Any], tokenizer_dir: Any, checkpoint_file: Path) -> None:
+        litgpt_save(fabric, state, tokenizer_dir, sharded_folder(Path(checkpoint_file)))
+        model = _gathered_model(state["model"], first_group=fabric.strategy.grid.replica_index == 0)
+        if fabric.global_rank == 0:
+            import torch
+
+            torch.save({"model": model}, checkpoint_file)
+        fabric.barrier()
+
+    return _replaced(module, "save_checkpoint", save_checkpoint)
+
+
+def _gathered_model(model: Any, first_group: bool) -> dict[str, Any]:
+    """``model``'s whole state dict on the CPU, gathered inside the first group (other groups return ``{}``)."""
+    from torch.distributed.tensor import DTensor
+
+    if not first_group:
+        return {}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        out[name] = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+    return out
+
+
+def find_sharded_resume_path(module: Any) -> AbstractContextManager[None]:
+    """Adapt ``litgpt.pretrain.find_resume_path`` for the FSDP form: resume from the sharded folder.
+
+    litgpt: ``main`` calls ``find_resume_path(resume, out_dir)``, which returns ``resume`` when it is a path and
+    otherwise (``True``, ``"auto"``) the ``out_dir/step-*/*.pth`` of the highest step; ``fabric.load`` loads it.
+
+    Change: a ``.../lit_model.pth`` it returns becomes ``.../lit_model.pth.scape`` (:func:`sharded_folder`), the
+    folder :func:`save_checkpoint_sharded` wrote beside it (refused, with the fix, when there is none); a path that
+    already names the folder stays.
+
+    Why: the FSDP form loads checkpoint folders, while the user (``--resume out/step-00001000/lit_model.pth``)
+    and litgpt's search name litgpt's file. A checkpoint of the DDP form has no ``meta.pt`` in that folder: the
+    strategy refuses it, before anything is loaded, saying so.
+
+    Relies on: ``main`` calling the module-level name ``find_resume_path`` and loading what it returns.
+
+    Args:
+        module: ``litgpt.pretrain``.
+
+    Returns:
+        The context inside which the adaptation holds.
+    """
+    litgpt_find = module.find_resume_path
+
+    def find_resume_path(resume: Any, out_dir: Path) -> Any:
+        path = litgpt_find(resume, out_dir)
+        if not path or Path(path).name.endswith(".scape"):
+            return path
+        folder = sharded_folder(Path(path))
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"--resume {path}: the FSDP form resumes from the sharded checkpoint folder {folder}, which does not "
+                "exist. Name a lit_model.pth that a run with fsdp.shard_size set saved."
+            )
+        return folder
+
+    return _replaced(module, "find_resume_path", find_resume_path)
 
 
 @contextlib.contextmanager

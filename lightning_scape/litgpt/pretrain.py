@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from litgpt.data import DataModule
     from litgpt.tokenizer import Tokenizer
 
+    from lightning_scape.fabric.fsdp_strategy import ScapeFSDPStrategy
+    from lightning_scape.fabric.strategy import ScapeStrategy
+
 # litgpt's own pretraining defaults (``litgpt.pretrain.setup``).
 LITGPT_TRAIN_DEFAULTS = TrainArgs(
     save_interval=1000,
@@ -60,6 +63,21 @@ LITGPT_EVAL_DEFAULTS = EvalArgs(interval=1000, max_iters=100)
 # Precisions the SCAPE engine trains in: it updates the parameters in their own dtype, so "*-true" low
 # precision would run the error-feedback residual and AdamS in bf16/fp16 (see docs/lightning.md).
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPArgs:
+    """The recipe's ``fsdp:`` section: the FSDP form of the strategy (:class:`~lightning_scape.ScapeFSDPStrategy`).
+
+    Args:
+        shard_size: Processes that shard one copy of the model between them with FSDP2 (one unit per litgpt
+            ``Block``); SCAPE runs across the ``devices x num_nodes / shard_size`` groups. Empty (the default):
+            the DDP form, every process holds the whole model. Set it to the GPUs of one node (8) when the model,
+            its gradient and SCAPE's state do not fit on one GPU (``docs/fsdp.md``: memory per model size); it
+            must divide ``devices x num_nodes``. 1 shards nothing.
+    """
+
+    shard_size: int | None = None
 
 
 class RecipeError(ValueError):
@@ -85,6 +103,7 @@ def pretrain(
     logger_name: Literal["csv", "tensorboard", "wandb", "mlflow", "litlogger"] = "csv",
     seed: int = 42,
     scape: ScapeConfig = ScapeConfig(),  # noqa: B008  # frozen
+    fsdp: FSDPArgs = FSDPArgs(),  # frozen
     process_group_backend: Literal["nccl", "gloo"] | None = None,
     compile: bool | None = None,
     comm_log_interval: int = 0,
@@ -113,8 +132,7 @@ def pretrain(
             pretraining loop ignores, and ``epochs``, which it refuses, are refused before launch.
         eval: litgpt ``EvalArgs`` (``max_new_tokens`` is refused: pretraining generates nothing).
         log: litgpt ``LogArgs``.
-        optimizer: litgpt's optimizer spec. AdamW/Adam are converted to AdamS with the same hyperparameters;
-            ``lightning_scape.AdamS`` may be named directly.
+        optimizer: litgpt's optimizer spec; AdamW/Adam become AdamS, same hyperparameters (or name AdamS).
         accelerator: "cpu", "cuda"/"gpu" or "auto".
         devices: Processes per node ("auto": all GPUs, or 1 on CPU).
         num_nodes: Nodes of the cluster; every node runs ``devices`` processes.
@@ -122,14 +140,12 @@ def pretrain(
         logger_name: Where litgpt's metrics go; "csv" needs nothing installed.
         seed: Seed of the model initialisation and data order.
         scape: The SCAPE section (:class:`~lightning_scape.ScapeConfig`); every field has tuning advice there.
+        fsdp: The FSDP form (:class:`FSDPArgs`): ``--fsdp.shard_size 8`` shards the model inside each node.
         process_group_backend: "nccl" or "gloo"; default NCCL on GPUs, gloo on CPU.
-        compile: Compile the model with ``torch.compile``, as litgpt does. Default: on with CUDA, off on the
-            CPU, where compiling takes longer than a short run trains (timings of recipes/debug.yaml in
-            docs/litgpt.md).
-        comm_log_interval: Every this many optimizer steps, print and log SCAPE's communication (``comm/``
-            keys: bytes sent per step and their ratio to dense). 0: litgpt's ``train.log_interval``.
-        _hyperparameters: The parsed command line, written to each checkpoint's ``hyperparameters.yaml``
-            (filled in by the command line).
+        compile: Compile the model with ``torch.compile``, as litgpt does. Default: on with CUDA, off on the CPU,
+            where compiling takes longer than a short run trains (timings of recipes/debug.yaml in docs/litgpt.md).
+        comm_log_interval: Every this many optimizer steps, log SCAPE's ``comm/`` keys (0: ``train.log_interval``).
+        _hyperparameters: The parsed command line, for each checkpoint's ``hyperparameters.yaml``.
     """
     from litgpt import pretrain as litgpt_pretrain
 
@@ -146,6 +162,7 @@ def pretrain(
         devices=devices,
         tokenizer_dir=tokenizer_dir,
     )
+    check_resume(resume, recipe.out_dir, scape)
     fabric, comm_logger = _launch_fabric(
         recipe,
         accelerator=accelerator,
@@ -155,6 +172,7 @@ def pretrain(
         log=log,
         logger_name=logger_name,
         scape=scape,
+        fsdp=fsdp,
         process_group_backend=process_group_backend,
         comm_log_interval=comm_log_interval,
         hyperparameters=_hyperparameters,
@@ -307,6 +325,11 @@ def _data_module(data: DataModule | None, tokenizer_dir: Path | None) -> DataMod
             "tokenizer_dir is set, but the TextFolder data module trains its own tokenizer (data.init_args."
             "tokenizer: byte or bpe). Unset tokenizer_dir, or use a litgpt data module that takes a tokenizer."
         )
+    if isinstance(data, TextFolder):
+        try:
+            data.check_text()
+        except (OSError, ValueError) as exc:  # missing, empty, binary-only or unreadable: one line, before launch
+            raise RecipeError(str(exc)) from None
     return data
 
 
@@ -320,6 +343,7 @@ def _launch_fabric(
     log: LogArgs,
     logger_name: str,
     scape: ScapeConfig,
+    fsdp: FSDPArgs,
     process_group_backend: Literal["nccl", "gloo"] | None,
     comm_log_interval: int,
     hyperparameters: dict[str, Any] | None,
@@ -327,8 +351,6 @@ def _launch_fabric(
     """Fabric with the SCAPE strategy, litgpt's logger and the communication logger, launched on every process."""
     import lightning as L
     from litgpt.utils import choose_logger
-
-    from lightning_scape.fabric.strategy import ScapeStrategy
 
     logger = choose_logger(
         logger_name,
@@ -339,7 +361,7 @@ def _launch_fabric(
         log_args=dataclasses.asdict(log),
     )
     comm_logger = _CommunicationLogger(comm_log_interval or train.log_interval, train, recipe)
-    strategy = ScapeStrategy(config=scape, process_group_backend=process_group_backend)
+    strategy = _strategy(recipe, num_nodes, scape, fsdp, process_group_backend)
     fabric = L.Fabric(
         accelerator=accelerator,
         devices=recipe.n_devices,
@@ -358,7 +380,7 @@ def _launch_fabric(
         f"{planned} optimizer steps of {comm_logger.tokens_per_step(fabric.world_size):,} tokens"
         + (f"; steps 1-{min(warmup, planned)} are SCAPE's dense warm-up (then the density ramp)" if warmup else "")
     )
-    strategy.warn_if_all_dense(planned)
+    strategy.warn_if_all_dense(planned, syntax="cli")  # warns once the model is set up, if the schedule misfits
     log_dir = getattr(logger, "log_dir", None)
     if log_dir is not None:
         comm_logger.log_dir = Path(log_dir)
@@ -366,6 +388,45 @@ def _launch_fabric(
     if hyperparameters is not None and logger_name in ("tensorboard", "wandb", "mlflow"):
         fabric.logger.log_hyperparams(hyperparameters)
     return fabric, comm_logger
+
+
+def _strategy(
+    recipe: _Recipe,
+    num_nodes: int,
+    scape: ScapeConfig,
+    fsdp: FSDPArgs,
+    process_group_backend: Literal["nccl", "gloo"] | None,
+) -> ScapeStrategy | ScapeFSDPStrategy:
+    """The DDP form, or with ``fsdp.shard_size`` set the FSDP form with litgpt's ``Block`` as the FSDP unit.
+
+    Raises:
+        RecipeError: A ``shard_size`` that does not divide the processes, or an option the FSDP form cannot run.
+    """
+    from lightning_scape.fabric import fsdp_strategy, strategy
+
+    if fsdp.shard_size is None:
+        return strategy.ScapeStrategy(config=scape, process_group_backend=process_group_backend)
+    from litgpt.model import Block
+
+    world = recipe.n_devices * num_nodes
+    if fsdp.shard_size < 1 or world % fsdp.shard_size:
+        raise RecipeError(
+            f"fsdp.shard_size={fsdp.shard_size} must be a divisor of the {world} processes (devices={recipe.n_devices}"
+            f" x num_nodes={num_nodes}): set it to the processes of one node, or leave it empty for the DDP form."
+        )
+    if recipe.precision == "16-mixed":
+        raise RecipeError("The FSDP form (fsdp.shard_size) trains in '32-true' or 'bf16-mixed', not '16-mixed'.")
+    if recipe.initial_checkpoint_dir is not None:
+        raise RecipeError(
+            "initial_checkpoint_dir cannot be loaded into the FSDP form's sharded model. Continue from it with the "
+            "DDP form (leave fsdp.shard_size empty), or resume an FSDP-form run with --resume."
+        )
+    return fsdp_strategy.ScapeFSDPStrategy(
+        shard_size=fsdp.shard_size,
+        auto_wrap_policy={Block},
+        process_group_backend=process_group_backend,
+        config=scape,
+    )
 
 
 def config_line(config: ScapeConfig) -> str:
@@ -391,6 +452,49 @@ def check_precision(precision: str) -> None:
             f"precision={precision!r} is not supported by SCAPE pretraining: the error-feedback residual and "
             "AdamS would run in low precision. Use 'bf16-mixed' (GPUs) or '32-true'."
         )
+
+
+def check_resume(resume: bool | Literal["auto"] | Path, out_dir: Path, scape: ScapeConfig) -> None:
+    """Refuse, before launch, a ``--resume`` checkpoint written with other SCAPE settings than ``scape``.
+
+    Reads only the checkpoint's SCAPE stub (the file is memory-mapped); a checkpoint that cannot be read here
+    is left to the load after launch, which says why.
+    """
+    from litgpt.utils import find_resume_path
+
+    from lightning_scape.engine.state import check_config, config_changes
+    from lightning_scape.wiring.checkpoint_protocol import is_scape_stub
+
+    try:
+        path = find_resume_path(resume, out_dir)
+    except FileNotFoundError as exc:
+        raise RecipeError(str(exc)) from None
+    if not path:  # litgpt hands back resume=False itself
+        return
+    if not Path(path).is_file():
+        raise RecipeError(f"--resume {path}: no such checkpoint file (litgpt's out_dir/step-*/lit_model.pth).")
+    try:
+        stub = torch.load(path, map_location="cpu", mmap=True, weights_only=True).get("optimizer")
+    except Exception:  # unreadable or not a dict: the load after launch names the problem
+        return
+    if not is_scape_stub(stub):
+        return
+    try:
+        check_config(scape, stub["scape_checkpoint"]["config"])
+    except ValueError as exc:
+        if scape.resume_with_new_config:
+            raise RecipeError(f"--resume {path}: {exc}") from None
+        changes = config_changes(scape, stub["scape_checkpoint"]["config"])
+        saved = " ".join(f"--scape.{k} {_flag(old)}" for k, (old, _) in changes.items())
+        raise RecipeError(
+            f"--resume {path} was written with other SCAPE settings; pass them again ({saved}) to continue as it "
+            "was, or add --scape.resume_with_new_config true to carry its weights, momentum and residuals into the "
+            "new settings (the masks are rebuilt)."
+        ) from None
+
+
+def _flag(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_vocab(data: Any, model_config: Config) -> None:
@@ -639,7 +743,7 @@ def run_pretrain(argv: list[str]) -> int:
     try:
         _, kwargs = parse(argv)
     except (ArgumentError, ValueError, TypeError) as exc:  # RecipeError is a ValueError
-        print(f"lightning-scape pretrain: {exc}", file=sys.stderr)
+        print(f"lightning-scape pretrain: {_parse_error(exc)}", file=sys.stderr)
         return 2
     try:
         pretrain(**kwargs)
@@ -647,3 +751,16 @@ def run_pretrain(argv: list[str]) -> int:
         print(f"lightning-scape pretrain: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _parse_error(exc: BaseException) -> str:
+    """The message of a command-line error: the data module's own line where jsonargparse wraps it.
+
+    jsonargparse reports a data module that refused its arguments (``TextFolder: path ... does not exist``)
+    inside a dump of the union's subtypes and the namespace it was given; the user needs that one line.
+    """
+    for line in str(exc).splitlines():
+        line = line.strip().removeprefix("- ")
+        if line.startswith(("TextFolder:", "Invalid TextFolder:")):
+            return line
+    return str(exc)

@@ -36,7 +36,9 @@ from lightning_scape.wiring import (
     engine_setup,
     local_grads,
     loss_scaling,
+    rank_failures,
     registry,
+    setup_checks,
     warmup_notice,
 )
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
@@ -145,11 +147,15 @@ class ScapeStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
+        with rank_failures.agreed("Setting up ScapeStrategy"):  # an error on any rank: reported once, by rank 0
+            setup_checks.refuse_low_precision(self.precision_plugin)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         engine_setup.broadcast_module_states(self.model)
         if fitting:
-            self.setup_optimizers(trainer)
+            with rank_failures.agreed("Setting up the optimizer for ScapeStrategy"):
+                self.setup_optimizers(trainer)
+            setup_checks.warn_if_one_process(self.world_size, "Trainer")
         self.setup_precision_plugin()
         if fitting:
             _redirect_clipping(self.precision_plugin)
@@ -191,14 +197,18 @@ class ScapeStrategy(DDPStrategy):
     def warn_if_all_dense(self, planned_steps: float | None) -> None:
         """Warn once, on rank 0, if the fit's steps would all be sent dense (a ``DenseWarmupWarning``).
 
-        :meth:`on_train_start` calls it with ``trainer.estimated_stepping_batches``; when that is not known, the
-        warning comes at the end of the fit instead.
+        Also when the fit would end inside the density ramp or send more than a quarter of DDP's bytes (computed
+        from the engine's layout): the warning then suggests a schedule scaled to the fit.
+        :meth:`on_train_start` calls it with ``trainer.estimated_stepping_batches``; when that is not known, a fit
+        that never left its dense steps is told at its end instead.
 
         Args:
             planned_steps: The optimizer steps the fit will take; None or inf when not known (then nothing is
                 said now).
         """
-        self._warmup_notice.before_run(self.scape_config, planned_steps)
+        opts = self.scape_optimizers
+        layout = [bs.layout for bs in opts[0].engine.buckets] if opts else None
+        self._warmup_notice.before_run(self.scape_config, planned_steps, layout, self.world_size)
 
     # ----------------------------------------------------------------------------------------- a step
 

@@ -6,7 +6,10 @@ One module per concern, each used by both adapters (:mod:`lightning_scape.fabric
 * :mod:`~lightning_scape.wiring.optimizer`: AdamW/Adam to AdamS, and the :class:`ScapeOptimizer` handed back;
 * :mod:`~lightning_scape.wiring.engine_setup`: rank 0's weights everywhere, the engine, its log line;
 * :mod:`~lightning_scape.wiring.loss_scaling`: fp16 loss scaling;
-* :mod:`~lightning_scape.wiring.warmup_notice`: :class:`DenseWarmupWarning`, a run that never leaves its dense steps;
+* :mod:`~lightning_scape.wiring.warmup_notice`: :class:`DenseWarmupWarning`, a schedule that does not fit the run;
+* :mod:`~lightning_scape.wiring.run_traffic`: the bytes a whole run sends, SCAPE's and DDP's;
+* :mod:`~lightning_scape.wiring.setup_checks`: low-precision weights refused, a single process named;
+* :mod:`~lightning_scape.wiring.rank_failures`: a failure on any rank agreed on and reported once, by rank 0;
 * :mod:`~lightning_scape.wiring.checkpoint_protocol`: the checkpoint protocol (main file, per-rank SCAPE files);
 * :mod:`~lightning_scape.wiring.registry`: the names ``"scape"``, ``"scape_spawn"`` and ``"scape_fsdp"``;
 * :mod:`~lightning_scape.wiring.fsdp`: ``ScapeFSDPStrategy``'s grid, FSDP2 sharding and the engine on each shard;

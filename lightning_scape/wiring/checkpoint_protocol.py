@@ -8,8 +8,9 @@ states. The save id ties the rank files to their main file, and puts it in their
 have names of their own, so loaders that cache remote files by name (``torch.hub`` for ``http://``) never
 hand back another checkpoint's file. Files of format 1 (``rank-XXXXX.pt``, no id in the name) are still
 read. Loading reads and checks everything before anything is loaded, and all ranks agree on the outcome
-(:func:`agree`), so no rank goes on alone. On another world size than the one that wrote the checkpoint,
-every rank reads all the rank files, one at a time, and re-shards them into its own state
+(:func:`~lightning_scape.wiring.rank_failures.agree`: rank 0 reports a failure, once), so no rank goes on alone.
+On another world size than the one that wrote the checkpoint, every rank reads all the rank files, one at a
+time, and re-shards them into its own state
 (:func:`load_rank_states`).
 
 The Fabric and the Trainer strategies differ in where the optimizer states sit in the main file (Fabric:
@@ -30,7 +31,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
@@ -38,7 +38,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_scape.config import ScapeConfig
-from lightning_scape.engine.state import check_config
+from lightning_scape.engine.state import check_config, config_changes
+from lightning_scape.wiring.rank_failures import agree
 
 if TYPE_CHECKING:
     from lightning_scape.engine import ScapeEngine
@@ -50,6 +51,14 @@ _READABLE_FORMATS = (1, 2)
 _RANK_FILE = re.compile(r"^(?:(?P<save_id>.+)-)?rank-(?P<rank>\d{5})\.pt$")
 _STUB_KEY = "scape_checkpoint"
 _RANK_KEY = "scape_rank_state"
+# What a torch optimizer that loads a stub says (see make_stub).
+STUB_REFUSAL = (
+    "This optimizer state is the stub of a lightning_scape SCAPE checkpoint: the momentum and the unsent-gradient "
+    "residual are in the per-rank files of <checkpoint>.scape/, which only a SCAPE strategy reads. Resume it with "
+    "strategy=ScapeStrategy(...) (or strategy='scape') and the same number of processes or any other (it is "
+    "re-sharded); to continue with another strategy, load only the model weights (the Trainer checkpoint's "
+    "'state_dict', or your model's key in a fabric.save) and start the optimizer fresh."
+)
 # What both strategies name the barrier between the rank files and the main file (Lightning ignores the name).
 _SAVE_BARRIER = "scape_save_checkpoint"
 
@@ -111,8 +120,8 @@ class LoadPlan:
         required: Keys the main file must hold (else ``KeyError``).
         name_keys: Whether error messages name the key: Fabric's keys are the user's names, the Trainer's are
             its own.
-        config: The configuration the stubs' must match, checked before any rank file is read (the Trainer,
-            whose engine does not exist yet; with ``optimizers`` their engines check it).
+        config: The configuration the stubs' must match, checked before any rank file is read. Where it differs
+            and its ``resume_with_new_config`` allows it, the state is re-sharded (carried over, masks rebuilt).
     """
 
     stubs: dict[str, Any] = field(default_factory=dict)
@@ -261,10 +270,12 @@ def _read(
     expected = plan(checkpoint)
     saved_world_size = check_stubs(path, expected.stubs, expected.config)
     full: dict[str, dict[str, Any]] | None = {}
-    if expected.stubs and saved_world_size == world_size:
+    if expected.stubs and saved_world_size == world_size and not _reconfigured(expected):
         full = _read_rank_file(io, path, rank, expected.stubs, weights_only)
     elif expected.stubs:
-        full = None  # another world size: re-sharded once the engines exist (complete_load)
+        # Another world size, or other settings (resume_with_new_config): re-sharded once the engines exist
+        # (complete_load), which carries the state over and rebuilds the masks.
+        full = None
     for k, (module, state, strict) in expected.modules.items():
         check_module_state(module, state, strict, _label(path, k, expected.name_keys))
     missing = [k for k in expected.required if k not in checkpoint]
@@ -275,6 +286,12 @@ def _read(
         )
     pending = PendingStates(os.fspath(path), expected.stubs, saved_world_size, full, expected.name_keys, weights_only)
     return checkpoint, pending, expected
+
+
+def _reconfigured(plan: LoadPlan) -> bool:
+    """Whether the (checked) stubs were saved with other settings than the plan's (``resume_with_new_config``)."""
+    config = plan.config
+    return config is not None and any(config_changes(config, s[_STUB_KEY]["config"]) for s in plan.stubs.values())
 
 
 def _complete(
@@ -352,6 +369,7 @@ def new_save_id(broadcast: Callable[[str], str]) -> str:
 def make_stub(state: dict[str, Any], save_id: str) -> dict[str, Any]:
     """What the main file keeps of a full optimizer state: hyperparameters and where the rest lives."""
     scape = state["scape"]
+    first = next((pid for group in state["param_groups"] for pid in group["params"]), None)
     return {
         _STUB_KEY: {
             "format": CHECKPOINT_FORMAT,
@@ -361,7 +379,9 @@ def make_stub(state: dict[str, Any], save_id: str) -> dict[str, Any]:
             "step_count": scape["step_count"],
             "rank_files": f"<checkpoint>.scape/{save_id}-rank-XXXXX.pt",
         },
-        "state": {},
+        # A torch optimizer that loads this stub (a resume under strategy="ddp") must not restart from empty
+        # moments: Adam / AdamW turn every "step" into a float and fail on this one, with this message in the error.
+        "state": {} if first is None else {first: {"step": STUB_REFUSAL.encode()}},
         "param_groups": state["param_groups"],
     }
 
@@ -562,18 +582,18 @@ def _read_rank_file(
     of = "" if saved_world_size is None else f" (of {saved_world_size}: re-sharding reads every rank's file)"
     try:
         payload = io.load_checkpoint(file, weights_only=weights_only)
-    except FileNotFoundError as exc:
+    except FileNotFoundError:
         others = [name.rsplit("/", 1)[-1] for name in _listed_rank_files(path, rank)]
         if others:
             raise ValueError(
                 f"SCAPE state of rank {rank}{of} is missing: expected {file!r}; the directory holds {others}, which "
                 f"does not belong to checkpoint {where!r} (written by another save). Copy the checkpoint file "
                 "and its '.scape' directory together. Nothing was loaded."
-            ) from exc
+            ) from None  # the message names the file
         raise FileNotFoundError(
             f"SCAPE state of rank {rank}{of} is missing: expected {file!r}. A SCAPE checkpoint is the file {where!r} "
             "plus the directory beside it ending in '.scape'; copy both. Nothing was loaded."
-        ) from exc
+        ) from None  # the message names the file
     except Exception as exc:
         raise RuntimeError(
             f"SCAPE state of rank {rank}{of} ({file!r}) cannot be read ({type(exc).__name__}: {exc}). It is "
@@ -590,29 +610,6 @@ def _read_rank_file(
     if missing:
         raise ValueError(f"{file!r} has no SCAPE state for {missing}. Nothing was loaded.")
     return {k: meta["optimizers"][k] for k in stubs}
-
-
-def agree(error: BaseException | None, what: str) -> None:
-    """Raise on every rank if ``what`` failed on any rank, so that no rank goes on alone (and hangs).
-
-    Args:
-        error: This rank's failure, or None.
-        what: The operation, for the message of the ranks that did not fail themselves.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [r for r, m in enumerate(messages) if m is not None]
-    if failed:
-        raise RuntimeError(
-            f"{what} failed on rank {', '.join(map(str, failed))}: {messages[failed[0]]}\nThis rank stops too; "
-            "nothing was loaded."
-        )
 
 
 def remove_rank_states(io: CheckpointIO, path: str | os.PathLike[str], rank: int, is_global_zero: bool) -> None:

@@ -1,46 +1,74 @@
-"""The notice of a run too short to leave SCAPE's dense steps (:class:`DenseWarmupWarning`)."""
+"""The notice of a run whose schedule does not fit its length (:class:`DenseWarmupWarning`): too short to leave
+SCAPE's dense steps, ending inside the density ramp, or sending more than a quarter of DDP's bytes."""
 
 from __future__ import annotations
 
 import atexit
 import math
+import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Literal
 
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.engine.layout import Bucket
+from lightning_scape.wiring.run_traffic import run_bytes
+
+# "python": ScapeStrategy(name=value, ...); "cli": lightning-scape pretrain's --scape.name value.
+Syntax = Literal["python", "cli"]
+# A run on the default schedule that sends more than this fraction of DDP's bytes is told of one that fits it.
+MAX_FRACTION_OF_DDP = 0.25
+_DEFAULT_SCHEDULE = (ScapeConfig().dense_warmup_steps, ScapeConfig().density_ramp_steps)
 
 
 class DenseWarmupWarning(UserWarning):
-    """The warning of :class:`WarmupNotice`: a run that never leaves SCAPE's dense steps (filter it by category)."""
+    """The warning of :class:`WarmupNotice`: a schedule that does not fit the run (filter it by category)."""
 
 
 class WarmupNotice:
-    """Says once, on rank 0, that a run is too short to leave its dense warm-up.
+    """Says once, on rank 0, that a run's schedule does not fit its length.
 
     A run that never leaves ``dense_warmup_steps`` sends the whole gradient at every step, as DDP does, and
-    never shows what SCAPE does. Where the length of the run is known before it starts (the Trainer's
-    ``estimated_stepping_batches``, the ``pretrain`` command's token budget) the warning comes then, while the
-    user can still change the warm-up; otherwise (Fabric) it comes at the end of the run.
+    never shows what SCAPE does; one that ends inside the density ramp, or sends more than a quarter of DDP's
+    bytes, saves little. Where the length of the run is known before it starts (the Trainer's
+    ``estimated_stepping_batches``, the ``pretrain`` command's token budget) the warning comes then, with a
+    schedule scaled to the run, while the user can still change it; otherwise (Fabric) a run that never left
+    its dense steps is told at its end.
     """
 
     def __init__(self) -> None:
         self.given = False
 
-    def before_run(self, config: ScapeConfig, planned_steps: float | None) -> None:
-        """Warn if ``planned_steps`` optimizer steps (None or inf: not known) are all sent dense."""
+    def before_run(
+        self,
+        config: ScapeConfig,
+        planned_steps: float | None,
+        layout: Sequence[Bucket] | None = None,
+        world_size: int = 1,
+        syntax: Syntax = "python",
+    ) -> None:
+        """Warn if ``planned_steps`` optimizer steps (None or inf: not known) are all sent dense, or, given the
+        engine's ``layout`` on ``world_size`` ranks, end inside the density ramp or (on the default schedule) send
+        more than a quarter of DDP's bytes; the message suggests a schedule scaled to the run, in ``syntax``."""
         if self.given or planned_steps is None or not math.isfinite(planned_steps) or planned_steps < 1:
             return
         steps = int(planned_steps)
-        if steps > config.dense_steps:
-            return
+        if steps <= config.dense_steps:
+            self._say(f"this run has {steps} optimizer steps, {_all_dense(config, steps, syntax)}", syntax)
+        elif layout:
+            message = _misfit(config, steps, layout, world_size, syntax)
+            if message:
+                self._say(message, syntax)
+
+    def _say(self, message: str, syntax: Syntax) -> None:
         self.given = True
-        rank_zero_warn(
-            f"lightning_scape: this run has {steps} optimizer steps, {_all_dense(config, steps)}",
-            category=DenseWarmupWarning,
-        )
+        if syntax == "cli":  # the command line's own voice, without the warnings module's source path
+            _print_rank_zero(f"lightning-scape pretrain: warning: {message}")
+        else:
+            rank_zero_warn(f"lightning_scape: {message}", category=DenseWarmupWarning)
 
     def after_run(self, engine: ScapeEngine) -> None:
         """Warn if ``engine`` stepped, but never sparsely."""
@@ -54,14 +82,55 @@ class WarmupNotice:
         )
 
 
-def _all_dense(config: ScapeConfig, steps: int) -> str:
+def _all_dense(config: ScapeConfig, steps: int, syntax: Syntax = "python") -> str:
     return (
         f"all sent dense by SCAPE's warm-up (dense_warmup_steps={config.dense_warmup_steps}, and the first "
         f"{config.dense_steps - config.dense_warmup_steps} of density_ramp_steps={config.density_ramp_steps}): "
         "every step sends the whole gradient, as DDP does, and no step is sparse. For a run this short pass a "
-        f"smaller warm-up, e.g. ScapeStrategy(dense_warmup_steps={max(1, steps * 3 // 100)}, "
-        f"density_ramp_steps={steps * 2 // 5})."
+        f"smaller warm-up, e.g. {_settings(*scaled_schedule(steps), syntax)}."
     )
+
+
+def scaled_schedule(steps: int) -> tuple[int, int]:
+    """(dense_warmup_steps, density_ramp_steps) scaled to a run of ``steps``: a 3% warm-up and a 40% ramp."""
+    return max(1, steps * 3 // 100), steps * 2 // 5
+
+
+def _settings(warmup: int, ramp: int, syntax: Syntax) -> str:
+    if syntax == "cli":
+        return f"--scape.dense_warmup_steps {warmup} --scape.density_ramp_steps {ramp}"
+    return f"ScapeStrategy(dense_warmup_steps={warmup}, density_ramp_steps={ramp})"
+
+
+def _misfit(config: ScapeConfig, steps: int, layout: Sequence[Bucket], world_size: int, syntax: Syntax) -> str:
+    """What is wrong with ``config``'s schedule for a run of ``steps`` (empty: nothing), and a schedule that fits."""
+    sent, ddp = run_bytes(layout, config, world_size, steps)
+    if not ddp:
+        return ""
+    ramp_end = config.dense_warmup_steps + config.density_ramp_steps if config.dense_warmup_steps else 0
+    inside_ramp = steps < ramp_end
+    # A schedule the user chose is questioned only when the run ends inside it; the default one also when it
+    # costs more than a quarter of DDP's bytes.
+    default = (config.dense_warmup_steps, config.density_ramp_steps) == _DEFAULT_SCHEDULE
+    if not inside_ramp and not (default and sent > MAX_FRACTION_OF_DDP * ddp):
+        return ""
+    warmup, ramp = scaled_schedule(steps)
+    if (warmup, ramp) == (config.dense_warmup_steps, config.density_ramp_steps):
+        return ""  # already the schedule this notice would suggest
+    fitted, _ = run_bytes(layout, config.replace(dense_warmup_steps=warmup, density_ramp_steps=ramp), world_size, steps)
+    where = f"ends inside SCAPE's density ramp (step {ramp_end}) and " if inside_ramp else ""
+    return (
+        f"this run has {steps} optimizer steps: with dense_warmup_steps={config.dense_warmup_steps} and "
+        f"density_ramp_steps={config.density_ramp_steps} it {where}sends {sent / ddp:.0%} of DDP's bytes "
+        f"({sent / 1e6:,.1f} MB against {ddp / 1e6:,.1f} MB per rank; the first {config.dense_steps} steps dense). "
+        f"A schedule scaled to the run (a 3% warm-up, a 40% ramp) sends {fitted / ddp:.0%}: "
+        f"{_settings(warmup, ramp, syntax)}. Its loss may differ: docs/lightning.md says what was measured."
+    )
+
+
+@rank_zero_only
+def _print_rank_zero(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def call_at_exit(method: Callable[[], None]) -> None:

@@ -1,0 +1,51 @@
+"""Set-ups that would train badly or communicate nothing: low-precision weights refused, one process named."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+# Lightning's precisions that keep the weights, and so the engine's residual and AdamS's state, in 16 bits.
+LOW_PRECISIONS = ("bf16-true", "16-true")
+
+
+class OneProcessWarning(UserWarning):
+    """A SCAPE strategy running a single process: it communicates nothing (filter it by category)."""
+
+
+def refuse_low_precision(plugin: Any) -> None:
+    """Raise ``ValueError`` for ``precision="bf16-true"`` or ``"16-true"``, saying what to use instead.
+
+    The engine keeps the error-feedback residual and AdamS's state in the parameters' dtype: with 16-bit
+    weights the residual loses the small gradients it exists to carry, and the moments round away.
+
+    Args:
+        plugin: The strategy's precision plugin (its ``precision`` attribute names the setting).
+    """
+    precision = getattr(plugin, "precision", None)
+    if precision in LOW_PRECISIONS:
+        mixed = "bf16-mixed" if precision == "bf16-true" else "16-mixed"
+        raise ValueError(
+            f"ScapeStrategy does not train in precision={precision!r}: the error-feedback residual and AdamS's "
+            f"moments would be kept in 16 bits and lose the small gradients SCAPE carries over. Use "
+            f"precision={mixed!r} (16-bit compute, 32-bit weights and optimizer state) or '32-true'."
+        )
+
+
+def warn_if_one_process(world_size: int, interface: str) -> None:
+    """Warn (rank 0) that a run of one process communicates nothing, and what to pass instead.
+
+    Args:
+        world_size: The number of processes of the run.
+        interface: ``"Trainer"`` or ``"Fabric"``, for the message.
+    """
+    if world_size != 1:
+        return
+    rank_zero_warn(
+        f"lightning_scape: ScapeStrategy is running one process (devices=1 on one node): it communicates nothing, "
+        f"so the run is plain AdamS training and shows nothing of SCAPE. Pass {interface}(devices=2, ...) or more "
+        f"devices or nodes (on the CPU, devices=2 starts two processes), or strategy='auto' for a single-process "
+        "run; to study SCAPE's updates in one process, use lightning_scape.simulate.",
+        category=OneProcessWarning,
+    )
