@@ -10,7 +10,8 @@
 2. **Bandwidth**: each kernel's achieved DRAM bandwidth against the device's peak, and the whole sparse
    optimizer step against fused AdamW (``bench_kernels.run``).
 3. **Training**: a small litgpt model (``lightning_scape.examples.workloads``' ``small`` preset), W = 2 ranks in
-   one process (``lightning_scape.simulate``), ``bf16-mixed`` (bf16 autocast, fp32 parameters), SCAPE at
+   one process (``lightning_scape.simulate``), ``bf16-mixed`` (bf16 autocast, fp32 parameters; fp32 with
+   ``--tiny``), SCAPE at
    d = 0.01 with a schedule that fits the run, trained twice from the same weights on the same batches:
    on the Triton kernels and on the references (``LIGHTNING_SCAPE_FORCE_REF=1``). Their losses must agree.
 
@@ -60,10 +61,15 @@ class Size:
     density_ramp_steps: int
     chunk_size: int
     max_bytes: int
+    precision: str  # "bf16-mixed" (bf16 autocast, fp32 parameters) or "32-true"
+    world_size: int  # simulated ranks (threads of one process)
 
 
-FULL = Size("small", 300, 8, 256, 20, 60, 4096, 4_000_000)
-TINY = Size("tiny", 6, 2, 32, 2, 2, 256, 200_000)
+FULL = Size("small", 300, 8, 256, 20, 60, 4096, 4_000_000, "bf16-mixed", 2)
+# On the CPU: fp32, and one rank. With two simulated ranks (threads) on Triton's interpreter, some runs' losses
+# came out up to 7% apart from the references' even with the launches locked, while one rank agrees every run:
+# the interpreter is not made for threads. Compiled kernels on a GPU run the two ranks (FULL).
+TINY = Size("tiny", 6, 2, 32, 2, 2, 256, 200_000, "32-true", 1)
 
 
 @contextlib.contextmanager
@@ -105,7 +111,7 @@ def bandwidth(device: str, peak_gbps: float | None) -> dict[str, Any]:
 
 
 def train(size: Size, device: str, reference: bool) -> dict[str, Any]:
-    """Two simulated ranks of SCAPE on the small litgpt model in bf16-mixed; the losses, times and kernel paths.
+    """Two simulated ranks of SCAPE on the small litgpt model (``size.precision``); losses, times and kernel paths.
 
     Args:
         size: The model and run.
@@ -133,7 +139,9 @@ def train(size: Size, device: str, reference: bool) -> dict[str, Any]:
             x, y = (t.to(device) for t in wl.sample_batch(tokens, gen, size.batch_size, size.block_size))
             wl.set_cosine_lr(engine.optimizer, step, size.steps, 1.5e-3, max(1, size.steps // 15))
             t0 = time.perf_counter()
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            with torch.autocast(
+                torch.device(device).type, dtype=torch.bfloat16, enabled=size.precision == "bf16-mixed"
+            ):
                 loss = wl.lm_loss(model, x, y)
             loss.backward()
             engine.step(max_grad_norm=1.0)
@@ -152,7 +160,7 @@ def train(size: Size, device: str, reference: bool) -> dict[str, Any]:
     if device == "cpu" and not reference:
         force["LIGHTNING_SCAPE_FORCE_TRITON"] = "1"  # hand the CPU tensors to the interpreted kernels
     with env(**force):
-        ranks = simulate(2, worker)
+        ranks = simulate(size.world_size, worker)
     losses = [statistics.fmean(r["losses"][i] for r in ranks) for i in range(size.steps)]
     step_s = [max(r["step_s"][i] for r in ranks) for i in range(size.steps)]
     return {"losses": losses, "step_s": step_s, "bucket_paths": ranks[0]["bucket_paths"]}
@@ -233,7 +241,8 @@ def report_md(report: dict[str, Any]) -> str:
         "",
         "## Training: Triton kernels against the references",
         "",
-        f"{t['size']['preset']} model, W = 2 (simulate), bf16-mixed, d = 0.01, {t['size']['steps']} steps "
+        f"{t['size']['preset']} model, W = {t['size']['world_size']} (simulate), {t['size']['precision']}, d = 0.01, "
+        f"{t['size']['steps']} steps "
         f"({t['size']['dense_warmup_steps']} dense warm-up, {t['size']['density_ramp_steps']}-step ramp); buckets "
         f"on the kernels: {t['kernel']['bucket_paths']}, on the references: {t['reference']['bucket_paths']}.",
         "",

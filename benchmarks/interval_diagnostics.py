@@ -1,4 +1,4 @@
-"""Where SCAPE's sparse update loses ground to dense AdamS: the age of what it sends, and what the cap cuts.
+"""Where SCAPE's sparse update loses ground to DDP + AdamS: the age of what it sends, and what the cap cuts.
 
 Trains the quality benchmark's workload (``benchmarks/quality.py``: the small GPT, W = 2 simulated ranks,
 16 x 128 bytes per rank, cosine LR peak 1.5e-3 over ``--schedule-steps``) under one of its configurations

@@ -27,7 +27,7 @@ class ScapeConfig:
 
     Args:
         density: Fraction d of the coordinates sent per step, in (0, 1]. 0.01 sends 1% of the gradient
-            values (the bytes per step against ZeRO-1 and DDP: ``docs/algorithm.md`` section 5); 0.1 is the
+            values (the bytes per step against DDP + AdamW: ``docs/algorithm.md`` section 5); 0.1 is the
             safe choice for short runs. Each chunk gets ``max(1, round(density * chunk_size))`` slots, so the effective
             density is ``slots_per_chunk / chunk_size`` (higher in the smaller chunks of a tiny model's
             buckets: see ``chunk_size``).
@@ -41,7 +41,7 @@ class ScapeConfig:
             parameter) and sends reduce-scatter + parameter all-gather + mask indices. False keeps the
             full momentum on every rank and sends one all-reduce of the values, no parameters or
             indices; use it when memory is plentiful.
-        dense_warmup_steps: Optimizer steps run as dense data-parallel AdamS before the density ramp. The
+        dense_warmup_steps: Optimizer steps sent dense (as DDP + AdamS would) before the density ramp. The
             momentum built there seeds the first mask. At equal bytes, ramp steps buy more quality than
             dense ones (``docs/algorithm.md`` section 7): keep this short and the ramp long. 0 starts sparse
             at once with an all-zero statistic (and no density ramp).

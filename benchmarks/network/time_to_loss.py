@@ -63,7 +63,7 @@ DDP = "ddp_adamw"  # the reference: its final validation loss is the target
 TARGET_FACTORS: tuple[float, ...] = (1.0, 1.05)
 
 # 8 x 128 tokens per rank at peak 1.5e-3 (20 ramp steps, cosine to 0, AdamW/AdamS): the quality benchmark's
-# learning rate, tuned for dense AdamS (docs/benchmarks.md, Quality); at W = 4 the global batch, 32 x 128, is
+# learning rate, tuned for DDP + AdamS (docs/benchmarks.md, Quality); at W = 4 the global batch, 32 x 128, is
 # benchmarks/quality.py's. The step-time mode's 4 x 128 at 2e-3 is noisy (train losses jump by
 # 0.2 from step to step); quality.py's 16 x 128 per rank doubles the compute of every step, which on this
 # machine halves the steps an hour holds for the base model (80 instead of 150 at 100 Mbit/s, measured), below
@@ -77,7 +77,7 @@ EVAL_POINTS = 15  # evaluations per run (plus the one before the first step) whe
 
 # `--steps auto`: (steps, SCAPE's steps, eval_every) by (model, world size), sized on the 2-core VM of
 # docs/benchmarks.md with nothing else running: small W = 2 at 100 Mbit/s took 29 min (1.06 s a round, 1.1 s an
-# evaluation), at 1 Gbit/s 15 min, at 10 Gbit/s 14 min. At equal steps SCAPE at d = 0.01 ends 2-3% above dense AdamS
+# evaluation), at 1 Gbit/s 15 min, at 10 Gbit/s 14 min. At equal steps SCAPE at d = 0.01 ends 2-3% above DDP + AdamS
 # (docs/algorithm.md section 7), so with DDP's budget it never reaches DDP's final loss; with twice the steps, each
 # a quarter of DDP's time at 100 Mbit/s, it does. Small W = 4 (the same tokens in half the steps): 29 min at
 # 100 Mbit/s (2.08 s a round: 4 processes on 2 cores), 16 min at 1 Gbit/s. The base model's W = 2 rounds took
