@@ -258,7 +258,7 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
     cuda = device == "cuda"
     dtype = DTYPES[args.dtype]
     timer = time_cuda if cuda else time_cpu
-    iters, warmup = (args.iters, args.warmup) if cuda else (3, 1)
+    iters, warmup = (args.iters, args.warmup) if cuda else (min(args.iters, 3), min(args.warmup, 1))
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_gbps(name, args.peak_gbps) if cuda else None
     if cuda:
