@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
-from lightning_scape.engine import ScapeEngine
+from lightning_scape.fabric.set_up_objects import SetUpObjects
 from lightning_scape.wiring import fsdp, fsdp_checkpoint, registry
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeFSDPStrategy(ModelParallelStrategy):
+class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Fabric(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     The W processes form R = W / ``shard_size`` groups of ``shard_size`` consecutive ranks (one node each by
@@ -70,6 +70,8 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
         **options: Any :class:`~lightning_scape.ScapeConfig` field.
     """
 
+    _setup_call = "fabric.setup_optimizers(optimizer)"
+
     __doc__ = (__doc__ or "") + options_doc()
 
     def __init__(
@@ -90,8 +92,7 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
         self._shard_size = shard_size
         self._wrap_policy = auto_wrap_policy
         self._grid: fsdp.ShardGrid | None = None
-        self._scape_modules: list[Module] = []
-        self._scape_optimizers: list[ScapeOptimizer] = []
+        self._start_set_up_objects()
         self._bindings: list[fsdp.ShardBinding] = []
 
     @property
@@ -100,23 +101,6 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
         if self._grid is None:
             raise RuntimeError("The shard grid is known once Fabric has launched the processes (fabric.launch()).")
         return self._grid
-
-    @property
-    def scape_optimizers(self) -> list[ScapeOptimizer]:
-        """The optimizers this strategy set up, in set-up order (normally one)."""
-        return list(self._scape_optimizers)
-
-    @property
-    def scape_modules(self) -> list[Module]:
-        """The modules this strategy set up, in set-up order."""
-        return list(self._scape_modules)
-
-    @property
-    def engine(self) -> ScapeEngine:
-        """The :class:`~lightning_scape.ScapeEngine` of the most recently set-up optimizer (this rank's shard)."""
-        if not self._scape_optimizers:
-            raise RuntimeError("No optimizer was set up yet: call fabric.setup_optimizers(optimizer) first.")
-        return self._scape_optimizers[-1].engine
 
     @property
     def binding(self) -> fsdp.ShardBinding:

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
-from lightning_scape.engine import ScapeEngine
+from lightning_scape.fabric.set_up_objects import SetUpObjects
 from lightning_scape.wiring import (
     checkpoint_protocol,
     engine_setup,
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeStrategy(DDPStrategy):
+class ScapeStrategy(SetUpObjects, DDPStrategy):
     """SCAPE sparse data parallelism for Fabric: ``Fabric(strategy=ScapeStrategy(density=0.01))``.
 
     Processes, devices and multi-node clusters (torchrun, SLURM, ``MASTER_ADDR``/``NODE_RANK``, ...) work as
@@ -114,8 +114,7 @@ class ScapeStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _ScapeBackwardSyncControl(self)
-        self._scape_modules: list[Module] = []
-        self._scape_optimizers: list[ScapeOptimizer] = []
+        self._start_set_up_objects()
         self._failed = False
         self._checkpoint_world_size: int | None = None
         # Fabric does not know when a run ends: the warm-up notice comes at teardown, or when the process exits.
@@ -131,23 +130,6 @@ class ScapeStrategy(DDPStrategy):
         position per rank (litgpt's ``iter_num``) must rescale it (``lightning-scape pretrain`` does).
         """
         return self._checkpoint_world_size
-
-    @property
-    def scape_optimizers(self) -> list[ScapeOptimizer]:
-        """The optimizers this strategy set up, in set-up order (normally one)."""
-        return list(self._scape_optimizers)
-
-    @property
-    def scape_modules(self) -> list[Module]:
-        """The modules this strategy set up, in set-up order."""
-        return list(self._scape_modules)
-
-    @property
-    def engine(self) -> ScapeEngine:
-        """The :class:`~lightning_scape.ScapeEngine` of the most recently set-up optimizer."""
-        if not self._scape_optimizers:
-            raise RuntimeError("No optimizer was set up yet: call fabric.setup(model, optimizer) first.")
-        return self._scape_optimizers[-1].engine
 
     # ------------------------------------------------------------------------------------------ set-up
 
