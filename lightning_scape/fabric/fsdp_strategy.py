@@ -158,8 +158,7 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Build the SCAPE engine for ``optimizer`` on this rank's shard, across the groups."""
-        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        module = next((m for m in reversed(self._scape_modules) if any(id(p) in ids for p in m.parameters())), None)
+        module = self._module_of(optimizer)
         if module is None:
             raise ValueError(
                 "ScapeFSDPStrategy found no set-up model whose parameters this optimizer holds. Create it after "
@@ -210,12 +209,6 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         """Clamp every synchronised gradient value to ``[-clip_val, clip_val]`` in the coming step."""
         self._scape_optimizer_of(optimizer).request_clip(clip_value=float(clip_val))
-
-    def _scape_optimizer_of(self, optimizer: Any) -> ScapeOptimizer:
-        opt = unwrap_optimizer(optimizer)
-        if not isinstance(opt, ScapeOptimizer):
-            raise TypeError(f"Expected the optimizer returned by fabric.setup_optimizers, got {type(opt).__name__}.")
-        return opt
 
     # ------------------------------------------------------------------------------------- checkpoints
 

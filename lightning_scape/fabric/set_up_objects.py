@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch.nn import Module
+from torch.optim import Optimizer
 
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring.optimizer import ScapeOptimizer
+from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 
 
 class SetUpObjects:
@@ -35,3 +38,17 @@ class SetUpObjects:
         if not self._scape_optimizers:
             raise RuntimeError(f"No optimizer was set up yet: call {self._setup_call} first.")
         return self._scape_optimizers[-1].engine
+
+    def _module_of(self, optimizer: Optimizer) -> Module | None:
+        """The most recently set-up module holding any of ``optimizer``'s parameters (None: no such module)."""
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        return next((m for m in reversed(self._scape_modules) if any(id(p) in ids for p in m.parameters())), None)
+
+    def _scape_optimizer_of(self, optimizer: Any) -> ScapeOptimizer:
+        """``optimizer`` (Fabric's wrapper or not) as the :class:`ScapeOptimizer` this strategy handed back."""
+        opt = unwrap_optimizer(optimizer)
+        if not isinstance(opt, ScapeOptimizer):
+            raise TypeError(
+                f"Expected the optimizer returned by {self._setup_call} (a ScapeOptimizer), got {type(opt).__name__}."
+            )
+        return opt

@@ -162,7 +162,7 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Build the SCAPE engine for ``optimizer`` (its parameters become views of flat buffers)."""
-        module = next((m for m in reversed(self._scape_modules) if _shares_params(m, optimizer)), None)
+        module = self._module_of(optimizer)
         scaler = loss_scaling.grad_scaler_of(self.precision)
         with rank_failures.agreed("Setting up the optimizer for ScapeStrategy"):
             scape = engine_setup.build_scape_optimizer(optimizer, self.scape_config, module, scaler)
@@ -233,14 +233,6 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
         (``docs/lightning.md``). It finishes the step's synchronisation early, at no cost when the step follows.
         """
         return torch.tensor(self.engine.global_grad_norm(), device=self.root_device)
-
-    def _scape_optimizer_of(self, optimizer: Any) -> ScapeOptimizer:
-        opt = unwrap_optimizer(optimizer)
-        if not isinstance(opt, ScapeOptimizer):
-            raise TypeError(
-                f"Expected the optimizer returned by fabric.setup (a ScapeOptimizer), got {type(opt).__name__}."
-            )
-        return opt
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -417,11 +409,6 @@ def _load_plan(
         name_keys=True,
         config=config if scape else None,
     )
-
-
-def _shares_params(module: Module, optimizer: Optimizer) -> bool:
-    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return any(id(p) in ids for p in module.parameters())
 
 
 ScapeStrategy.register_strategies(STRATEGY_REGISTRY)
