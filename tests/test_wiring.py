@@ -392,3 +392,20 @@ def test_the_engine_line_states_the_warmup_and_the_effective_density() -> None:
     assert "This model is small: 2 buckets use chunks smaller than chunk_size=4096" in tiny, tiny
     assert "2,880 parameters in chunks of 2,880, 29 slots each" in tiny
     assert "88 parameters in chunks of 88, 1 slot each" in tiny
+
+
+def test_an_adams_subclass_without_its_own_step_is_accepted_whatever_torch_wrapped() -> None:
+    """torch's Optimizer.__init__ may assign a profiling wrapper of the inherited step to the subclass itself."""
+    from lightning_scape.wiring.optimizer import _overrides_step
+
+    class Plain(AdamS):
+        pass
+
+    Plain.step = torch.optim.Optimizer.profile_hook_step(AdamS.step)  # what torch does for a first instance
+    assert not _overrides_step(Plain)
+
+    class OwnStep(AdamS):
+        def step(self, closure: Any = None) -> Any:
+            return super().step(closure)
+
+    assert _overrides_step(OwnStep)

@@ -7,6 +7,7 @@ this rank's SCAPE state, while its param groups stay the user's dicts (so LR sch
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,7 @@ def _check_type(optimizer: Optimizer) -> None:
     cls = type(optimizer)
     user = f"{cls.__module__}.{cls.__qualname__}"
     if isinstance(optimizer, AdamS):
-        if cls.step is not AdamS.step:
+        if _overrides_step(cls):
             raise TypeError(
                 f"{user} overrides step(), which SCAPE never calls: the engine runs AdamS's update itself on the "
                 "synchronised gradient. Move that code out of step() (into an LR scheduler, a callback or the "
@@ -98,6 +99,22 @@ def _check_type(optimizer: Optimizer) -> None:
         f"and torch.optim.Adam (converted to AdamS with the same hyperparameters); got {user}. Return one of these "
         "from configure_optimizers / pass one to fabric.setup."
     )
+
+
+def _overrides_step(cls: type) -> bool:
+    """Whether a subclass of AdamS defines its own ``step``.
+
+    Not ``cls.step is AdamS.step``: torch's ``Optimizer.__init__`` wraps a class's ``step`` in a profiling hook
+    and assigns the wrapper to that class, so the comparison would depend on which optimizer was built first.
+    """
+    adams_step = inspect.unwrap(AdamS.step)
+    for klass in cls.__mro__:
+        if klass is AdamS:
+            return False
+        step = vars(klass).get("step")
+        if step is not None and inspect.unwrap(step) is not adams_step:
+            return True
+    return False
 
 
 def _adams_defaults(defaults: Mapping[str, Any]) -> dict[str, Any]:
