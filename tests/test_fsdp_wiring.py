@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
@@ -41,3 +43,13 @@ def test_the_default_wrapping_unit_is_litgpts_block() -> None:
     from litgpt.model import Block
 
     assert fsdp.default_wrap_policy() == {Block}
+
+
+def test_param_groups_are_read_where_torch_2_11_and_2_13_keep_them() -> None:
+    # torch 2.13 keeps a list; torch 2.11 one group, None for a unit that owns no parameters.
+    group = SimpleNamespace(fsdp_params=["p"])
+    assert fsdp.fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=[group, group])) == [group, group]
+    assert fsdp.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert fsdp.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+    with pytest.raises(RuntimeError, match=r"checked with: 2\.11 or 2\.13"):
+        fsdp.fsdp_param_groups(SimpleNamespace())

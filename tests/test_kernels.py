@@ -36,6 +36,8 @@ from lightning_scape import AdamS, ScapeConfig, ScapeEngine
 _REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = [n for n in K.__all__ if n.endswith("_triton") and n != "use_triton"]
 _FRESH_PROCESS_TEST = "test_kernels_in_a_fresh_interpreter_process"
+# Tests that start their own process, so they run whatever this process imported triton for.
+_OWN_PROCESS_TESTS = (_FRESH_PROCESS_TEST, "test_compiled_kernels_match_refs_on_cuda")
 
 # (rows, chunk_size): odd row counts, tiny to default chunks (4096 only with few rows: the interpreter
 # runs every program of the grid one after the other in numpy).
@@ -56,7 +58,7 @@ def random_mask(rows: int, chunk_size: int, k: int, gen: torch.Generator) -> tor
 @pytest.fixture(autouse=True)
 def interpreted(request: pytest.FixtureRequest) -> None:
     """Skip the in-process tests when the kernels were compiled for the GPU (see the module docstring)."""
-    if not K.INTERPRETED and request.node.originalname != _FRESH_PROCESS_TEST:
+    if not K.INTERPRETED and request.node.originalname not in _OWN_PROCESS_TESTS:
         pytest.skip(f"triton was imported without TRITON_INTERPRET=1 first; {_FRESH_PROCESS_TEST} runs this file")
 
 

@@ -595,6 +595,9 @@ class _CommunicationLogger:
         self.fabric.log_dict(metrics, step=engine.step_count)
         warmup, step = engine.config.dense_steps, engine.step_count
         sent = f"step {step} | SCAPE sent {metrics['comm/sent_bytes'] / 1e3:.1f} kB/step"
+        if c.total_dense_equivalent == 0:  # one process per replica group: nothing to compare with
+            self.fabric.print(f"{sent}: one replica, so nothing to communicate")
+            return
         if step <= warmup:
             self.fabric.print(f"{sent}: dense warm-up (step {step} of {warmup}), as much as dense data parallelism")
             return
@@ -621,6 +624,10 @@ class _CommunicationLogger:
                 f"processes), steps {first + 1}-{last} over {clock.seconds:.1f} s (the first step, which "
                 "compiles, and validation and checkpoint time left out)"
             )
+        if c.total_dense_equivalent == 0:
+            lines.append("  communication: none (one replica: SCAPE has nothing to send; its updates are AdamS's)")
+            self._report_paths(lines, out_dir)
+            return
         ratio = c.total_dense_equivalent / max(1, c.total_sent_bytes)
         comm = (
             f"  communication: {c.total_sent_bytes / 1e6:.2f} MB sent per process; dense data parallelism would "
@@ -630,6 +637,11 @@ class _CommunicationLogger:
             sent, dense = self.last_sparse
             comm += f"; {sent / 1e3:.1f} kB in the last step, {dense / max(1, sent):.1f}x fewer"
         lines.append(comm + ")")
+        self._report_paths(lines, out_dir)
+
+    def _report_paths(self, lines: list[str], out_dir: Path) -> None:
+        """Print the summary ``lines`` with where the logs and the final checkpoint are."""
+        assert self.fabric is not None
         if self.log_dir is not None:
             csv_file = self.log_dir / "metrics.csv"
             where = csv_file if csv_file.exists() else self.log_dir
@@ -637,7 +649,7 @@ class _CommunicationLogger:
         final = out_dir / "final" / "lit_model.pth"
         if final.exists():
             lines.append(f"  checkpoint:    {final} (SCAPE's per-process state in {final.name}.scape/)")
-        fabric.print("\n".join(lines))
+        self.fabric.print("\n".join(lines))
 
 
 # ----------------------------------------------------------------------------------------- command line

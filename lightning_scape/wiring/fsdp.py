@@ -17,7 +17,7 @@ What the Fabric and Trainer forms of ``ScapeFSDPStrategy`` share (``docs/fsdp.md
 FSDP2 has no public way to put its sharded parameters into storage the caller owns. :class:`ShardBinding` is
 the one place that touches its internals (``FSDPParam``: the padded shard ``_sharded_param_data`` that its
 all-gather reads, ``sharded_size``, ``padded_sharded_param_size``, ``to_sharded_dtensor``), checked against
-torch 2.13; :func:`fsdp_params` fails with a clear error if they move.
+torch 2.11 and 2.13; :func:`fsdp_param_groups` fails with a clear error if they move.
 """
 
 from __future__ import annotations
@@ -181,23 +181,27 @@ def sync_replicas(module: Module, replicate_group: Any, replicate_src: int) -> N
 
 
 def fsdp_params(module: Module) -> list[Any]:
-    """FSDP's ``FSDPParam`` objects of every unit of ``module`` (torch 2.13 internals)."""
+    """FSDP's ``FSDPParam`` objects of every unit of ``module`` (torch 2.11 and 2.13 internals)."""
     from torch.distributed.fsdp import FSDPModule
 
     found = []
     for m in module.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        state = m._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            raise RuntimeError(
-                f"ScapeFSDPStrategy needs FSDP2's parameter groups, which this torch ({torch.__version__}) keeps "
-                "elsewhere. Use torch 2.13."
-            )
-        for group in groups:
-            found.extend(group.fsdp_params)
+        if isinstance(m, FSDPModule):
+            for group in fsdp_param_groups(m._get_fsdp_state()):
+                found.extend(group.fsdp_params)
     return found
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The ``FSDPParamGroup`` objects of one FSDP unit's state, wherever this torch keeps them."""
+    if hasattr(state, "_fsdp_param_groups"):  # torch 2.13: a list
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):  # torch 2.11: one group, or None for a unit without parameters
+        return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+    raise RuntimeError(
+        f"ScapeFSDPStrategy needs FSDP2's parameter groups, which this torch ({torch.__version__}) keeps "
+        "elsewhere. Use a torch this package was checked with: 2.11 or 2.13."
+    )
 
 
 @dataclass
