@@ -104,6 +104,25 @@ def _namespaces_work() -> str | None:
     return None
 
 
+def test_hosts_of_two_ranks_shard_inside_and_replicate_across(tmp_path: Path) -> None:
+    """4 ranks as 2 hosts of 2: HSDP trains exactly as DDP does; ScapeFSDP's counters equal its formula."""
+    cmd = [sys.executable, "-m", "benchmarks.network.run", "--loopback", "--model", "tiny", "--steps", "4"]
+    cmd += ["--warmup", "2", "--batch-size", "2", "--block-size", "32", "--chunk-size", "256", "--max-bytes", "200000"]
+    cmd += ["--world-size", "4", "--ranks-per-host", "2", "--methods", "ddp_adamw,hsdp_adamw,scape_fsdp_d0.01"]
+    proc = subprocess.run([*cmd, "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["ranks_per_host"] == 2
+    per = results["profiles"][0]["summary"]["per_method"]
+    ddp, hsdp, scape = per["ddp_adamw"], per["hsdp_adamw"], per["scape_fsdp_d0.01"]
+    # HSDP is data parallelism over the 4 ranks: the same losses as DDP's, step by step (fp32 summation order).
+    assert ddp["loss_curve"] == pytest.approx(hsdp["loss_curve"], rel=1e-5)
+    assert math.isnan(hsdp["sent_bytes_counters"])  # FSDP's collectives are not the package's to count
+    # SCAPE across the 2 hosts on each rank's shard (R = 2): the sparse steps send exactly the formula.
+    assert scape["sent_bytes_counters"] == scape["formula_bytes"] > 0
+    assert scape["formula_bytes"] < hsdp["formula_bytes"] / 10
+
+
 def test_emulated_network_is_shaped_and_removed() -> None:
     """Two hosts at 100 Mbit/s: TCP goodput near the rate; afterwards no namespace or link of ours remains."""
     no_netns = _namespaces_work()  # here, not at import: collecting the fast lane creates no namespace
@@ -119,3 +138,15 @@ def test_emulated_network_is_shaped_and_removed() -> None:
         assert bps is not None and 70e6 < bps < 105e6, bps
     assert not [n for n in list_netns() if n.startswith(f"lsbench{tag}-")]
     assert not [n for n in list_links() if n.startswith(f"lsb{tag}")]
+    # Two ranks per host: one namespace and address per host, the goodput measured between hosts.
+    with EmulatedNetwork(4, parse_profile("100mbit"), ranks_per_host=2) as net:
+        assert [(h.address, h.node, h.local_rank) for h in net.hosts] == [
+            ("10.213.0.1", 0, 0),
+            ("10.213.0.1", 0, 1),
+            ("10.213.0.2", 1, 0),
+            ("10.213.0.2", 1, 1),
+        ]
+        assert len({h.netns for h in net.hosts}) == 2 and len(net.qdisc_stats()) == 2
+        bps = measure_throughput(net, seconds=0.5)
+        assert bps is not None and 70e6 < bps < 105e6, bps
+    assert not [n for n in list_netns() if n.startswith(f"lsbench{tag}-")]

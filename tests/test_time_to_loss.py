@@ -176,6 +176,13 @@ def test_command_line_budget_and_methods() -> None:
         parse_args(["--steps", "5", "--scape-set", "density=2"])  # ScapeConfig rejects it
     assert select_methods("all") == list(TTL_METHODS)
     assert select_methods("scape_default_d0.01") == ["ddp_adamw", "scape_default_d0.01"]
+    # The FSDP forms only when named, after the others; their forward is a collective of the host's ranks, so
+    # every rank must evaluate as many validation batches.
+    assert select_methods("scape_fsdp_default_d0.01,all")[-1] == "scape_fsdp_default_d0.01"
+    assert parse_args(["--steps", "5", "--world-size", "4", "--ranks-per-host", "2"]).ranks_per_host == 2
+    for bad in (["--ranks-per-host", "3"], ["--ranks-per-host", "2", "--eval-batches", "6"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--steps", "5", "--world-size", "4", *bad])
 
 
 @pytest.mark.dist

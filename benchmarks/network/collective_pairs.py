@@ -5,7 +5,10 @@
 Two gloo processes in network namespaces behind the time-to-loss mode's shaped link (``netns.py``) time, on
 tensors of the small model's padded size (3.47 MB fp32): DDP's all-reduce, the all-to-all that stands for
 sharded SCAPE's reduce-scatter, its parameter all-gather, and the two back to back, as SCAPE's dense step runs
-them, blocking and async, each after a short and after a 0.6 s idle. Medians and minima of 8 repetitions.
+them, blocking and async, each after a short and after a 0.6 s idle. Medians and minima of 8 repetitions, and
+what TCP did meanwhile in rank 0's namespace (``/proc/net/snmp`` and ``/proc/net/netstat``, per repetition):
+segments retransmitted, retransmission timeouts, tail-loss probes. ``--sysctl KEY=VALUE`` sets a TCP setting in
+both namespaces first (``net.ipv4.tcp_slow_start_after_idle=0``, ``net.ipv4.tcp_congestion_control=reno``, ...).
 """
 
 from __future__ import annotations
@@ -19,6 +22,23 @@ import time
 from collections.abc import Callable
 
 NUMEL = 868352  # the small model's padded numel at W = 2 (lightning_scape.examples.workloads, preset "small")
+# (file, section, counter) of what TCP did: retransmitted segments, RTO expiries, tail-loss probes.
+TCP_COUNTERS = (
+    ("/proc/net/snmp", "Tcp", "RetransSegs"),
+    ("/proc/net/netstat", "TcpExt", "TCPTimeouts"),
+    ("/proc/net/netstat", "TcpExt", "TCPLossProbes"),
+)
+
+
+def tcp_counters() -> list[int]:
+    """This network namespace's :data:`TCP_COUNTERS` now."""
+    values = []
+    for path, section, name in TCP_COUNTERS:
+        with open(path) as fh:
+            lines = [line.split() for line in fh if line.startswith(section + ":")]
+        header, row = lines[0], lines[1]
+        values.append(int(row[header.index(name)]))
+    return values
 
 
 def worker() -> None:
@@ -61,17 +81,20 @@ def worker() -> None:
     ]
     for idle in (0.0, 0.6):
         for name, fn in patterns:
-            times = []
+            times, tcp = [], [0] * len(TCP_COUNTERS)
             for _ in range(8):
                 dist.barrier()
                 time.sleep(idle)
                 dist.barrier()
+                before = tcp_counters()
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
+                tcp = [t + b - a for t, a, b in zip(tcp, before, tcp_counters(), strict=True)]
             if rank == 0:
                 med, low = 1e3 * statistics.median(times), 1e3 * min(times)
-                print(f"idle {idle:.1f} s  {name:24s} median {med:6.1f} ms  min {low:6.1f} ms", flush=True)
+                per = "  ".join(f"{c[2]} {v / 8:5.1f}" for c, v in zip(TCP_COUNTERS, tcp, strict=True))
+                print(f"idle {idle:.1f} s  {name:24s} median {med:6.1f} ms  min {low:6.1f} ms  {per}", flush=True)
     dist.destroy_process_group()
 
 
@@ -82,12 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", default="100mbit", help="a profile of netns.PROFILES or a rate")
     ap.add_argument("--queue-seconds", type=float, default=netns._QUEUE_SECONDS, help="the shaper's queue length")
+    ap.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE", help="a TCP setting for both hosts")
     args = ap.parse_args(argv)
     reason = netns.netns_unavailable_reason()
     if reason is not None:
         raise SystemExit(f"needs network namespaces ({reason}): run as root on Linux.")
     netns._QUEUE_SECONDS = args.queue_seconds
     with netns.EmulatedNetwork(2, netns.parse_profile(args.profile)) as net:
+        for h in net.hosts:
+            for setting in args.sysctl:
+                subprocess.run([*h.command_prefix(), "sysctl", "-q", "-w", setting], check=True)
         procs = []
         for h in net.hosts:
             env = {

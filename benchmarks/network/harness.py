@@ -108,6 +108,7 @@ def results_header(module: str, argv: list[str] | None, args: argparse.Namespace
         "machine": machine_description(),
         "model": args.model,
         "world_size": args.world_size,
+        "ranks_per_host": getattr(args, "ranks_per_host", 1),
         "batch_size": args.batch_size,
         "block_size": args.block_size,
         "steps": args.steps,
@@ -191,10 +192,10 @@ def launch_workers(
                 "MASTER_PORT": str(port),
                 "WORLD_SIZE": str(world_size),
                 "RANK": str(h.rank),
-                "NODE_RANK": str(h.rank),
-                "GROUP_RANK": str(h.rank),
-                "LOCAL_RANK": "0",
-                "LOCAL_WORLD_SIZE": "1",
+                "NODE_RANK": str(h.node),
+                "GROUP_RANK": str(h.node),
+                "LOCAL_RANK": str(h.local_rank),
+                "LOCAL_WORLD_SIZE": str(world_size // len({x.node for x in net.hosts})),
                 # gloo must use the host's own interface (in a namespace the hostname resolves to nothing).
                 "GLOO_SOCKET_IFNAME": h.ifname,
                 "OMP_NUM_THREADS": "1",
@@ -265,21 +266,22 @@ def measure_profiles(
         write: Writes every output of ``results``.
     """
     emulated, world_size = results["emulated"], results["world_size"]
+    per_host = results.get("ranks_per_host", 1)
     with signals_raise():
         for prof in profiles:
             label = prof.name if emulated else "loopback"
             prof_dir = os.path.join(out, label)
             net: Network = (
-                EmulatedNetwork(world_size, prof)
+                EmulatedNetwork(world_size, prof, ranks_per_host=per_host)
                 if emulated
-                else LoopbackNetwork(world_size, results["loopback_reason"])
+                else LoopbackNetwork(world_size, results["loopback_reason"], ranks_per_host=per_host)
             )
             print(f"== {label}: {announce}", flush=True)
             t0 = time.time()
             with net:
                 tput = measure_throughput(net)
                 if tput:
-                    print(f"   measured TCP goodput rank 0 -> 1: {tput / 1e6:.0f} Mbit/s", flush=True)
+                    print(f"   measured TCP goodput host 0 -> 1: {tput / 1e6:.0f} Mbit/s", flush=True)
 
                 def host_spec(h: Host, prof_dir: str = prof_dir) -> WorkerSpec:
                     return spec_for(h, prof_dir)

@@ -121,12 +121,16 @@ class Host:
         netns: Its network namespace (None: the root namespace, loopback mode).
         ifname: The interface its traffic leaves through (inside ``netns``).
         address: Its IPv4 address.
+        node: The emulated host it runs on (ranks of one node share its namespace, address and link).
+        local_rank: Its index among the ranks of its node.
     """
 
     rank: int
     netns: str | None
     ifname: str
     address: str
+    node: int = 0
+    local_rank: int = 0
 
     def command_prefix(self) -> list[str]:
         """What to put in front of a command so that it runs on this host."""
@@ -220,17 +224,24 @@ def cleanup_stale(all_of_ours: bool = False) -> list[str]:
 
 @dataclass
 class EmulatedNetwork:
-    """W hosts in W namespaces on a shaped bridge (a context manager: set up on enter, removed on exit).
+    """W ranks on W / P hosts, one namespace each, on a shaped bridge (a context manager: set up on enter,
+    removed on exit).
+
+    The P ranks of a host share its namespace, address and link: traffic between them stays on the
+    namespace's loopback, unshaped (a node's fast interconnect), and only traffic between hosts crosses the
+    shaped link.
 
     Args:
-        world_size: Number of hosts.
+        world_size: Number of ranks.
         profile: Rate and latency of every host's link.
         mtu: MTU of the veth links (1500: plain Ethernet).
+        ranks_per_host: P, the ranks that share one host (a divisor of ``world_size``).
     """
 
     world_size: int
     profile: Profile
     mtu: int = 1500
+    ranks_per_host: int = 1
     hosts: list[Host] = field(default_factory=list)
     _made: list[tuple[str, str]] = field(default_factory=list)
     _tag: str = field(default_factory=lambda: str(os.getpid()))
@@ -271,6 +282,8 @@ class EmulatedNetwork:
             raise
 
     def _setup(self) -> None:
+        if self.ranks_per_host < 1 or self.world_size % self.ranks_per_host:
+            raise ValueError(f"ranks_per_host={self.ranks_per_host} must divide world_size={self.world_size}.")
         tag = self._tag
         bridge = f"{LINK_PREFIX}{tag}b"
         if len(bridge) + 2 > _IFNAMSIZ:
@@ -278,7 +291,7 @@ class EmulatedNetwork:
         _run(["ip", "link", "add", bridge, "type", "bridge"])
         self._made.append(("link", bridge))
         _run(["ip", "link", "set", bridge, "up"])
-        for r in range(self.world_size):
+        for r in range(self.world_size // self.ranks_per_host):
             ns, outer, inner = f"{NETNS_PREFIX}{tag}-{r}", f"{LINK_PREFIX}{tag}h{r}", f"{LINK_PREFIX}{tag}n{r}"
             addr = f"{SUBNET}.{r + 1}"
             _run(["ip", "netns", "add", ns])
@@ -292,7 +305,8 @@ class EmulatedNetwork:
             _run(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", inner])
             _run(["ip", "-n", ns, "link", "set", inner, "up"])
             self._shape(ns, inner, outer)
-            self.hosts.append(Host(r, ns, inner, addr))
+            for local in range(self.ranks_per_host):
+                self.hosts.append(Host(r * self.ranks_per_host + local, ns, inner, addr, node=r, local_rank=local))
 
     def _tbf_args(self) -> list[str]:
         rate = self.profile.rate_bytes_per_s
@@ -326,12 +340,14 @@ class EmulatedNetwork:
             _run(["tc", "qdisc", "add", "dev", outer, "root", *self._tbf_args()])
 
     def qdisc_stats(self) -> list[dict[str, int]]:
-        """Per rank: bytes, packets and drops of its send-side and receive-side shapers so far."""
+        """Per host: bytes, packets and drops of its send-side and receive-side shapers so far."""
         out: list[dict[str, int]] = []
         for h in self.hosts:
+            if h.local_rank:
+                continue
             assert h.netns is not None
             row: dict[str, int] = {}
-            outer = f"{LINK_PREFIX}{self._tag}h{h.rank}"
+            outer = f"{LINK_PREFIX}{self._tag}h{h.node}"
             for side, cmd in (
                 ("send", ["tc", "-n", h.netns, "-j", "-s", "qdisc", "show", "dev", h.ifname]),
                 ("recv", ["tc", "-j", "-s", "qdisc", "show", "dev", outer]),
@@ -366,10 +382,12 @@ class LoopbackNetwork:
     Args:
         world_size: Number of ranks.
         reason: Why the network is not emulated (shown in every output).
+        ranks_per_host: The ranks counted as one host (they get its node rank).
     """
 
     world_size: int
     reason: str
+    ranks_per_host: int = 1
     hosts: list[Host] = field(default_factory=list)
     profile: Profile = field(default_factory=lambda: Profile("loopback", None))
 
@@ -392,11 +410,12 @@ class LoopbackNetwork:
 
     def setup(self) -> None:
         """Nothing to create: every rank is on ``lo``."""
-        self.hosts = [Host(r, None, "lo", "127.0.0.1") for r in range(self.world_size)]
+        p = self.ranks_per_host
+        self.hosts = [Host(r, None, "lo", "127.0.0.1", node=r // p, local_rank=r % p) for r in range(self.world_size)]
 
     def qdisc_stats(self) -> list[dict[str, int]]:
         """No shaper on loopback."""
-        return [{} for _ in self.hosts]
+        return [{} for h in self.hosts if h.local_rank == 0]
 
     def teardown(self) -> None:
         """Nothing to remove."""
@@ -439,9 +458,11 @@ def measure_throughput(net: Network, seconds: float = 1.0, port: int = 29400) ->
     Returns:
         Bits per second received, or None for loopback or a single host.
     """
-    if not net.emulated or len(net.hosts) < 2:
+    src = net.hosts[0] if net.hosts else None
+    others = [h for h in net.hosts if src is not None and h.node != src.node]
+    if not net.emulated or src is None or not others:
         return None
-    src, dst = net.hosts[0], net.hosts[1]
+    dst = others[0]
     me = [sys.executable, "-m", "benchmarks.network.netns"]
     server = subprocess.Popen(
         [*dst.command_prefix(), *me, "serve", dst.address, str(port), str(seconds + 10)],

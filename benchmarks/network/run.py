@@ -31,7 +31,9 @@ from benchmarks.network.worker import (
     ALL_METHODS,
     COMPUTE_ONLY,
     EXTRA_METHODS,
+    FSDP_METHODS,
     METHOD_LABELS,
+    UNCOUNTED_METHODS,
     WorkerSpec,
 )
 from benchmarks.reporting import (
@@ -63,7 +65,12 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def summarize(
-    ranks: list[dict[str, Any]], methods: list[str], warmup: int, tokens_per_rank_step: int, emulated: bool
+    ranks: list[dict[str, Any]],
+    methods: list[str],
+    warmup: int,
+    tokens_per_rank_step: int,
+    emulated: bool,
+    ranks_per_host: int = 1,
 ) -> dict[str, Any]:
     """Medians, spreads, bytes and losses per method from the per-rank records of one profile.
 
@@ -73,7 +80,9 @@ def summarize(
         warmup: Steps left out of the step-time and byte statistics (SCAPE's dense warm-up, PowerSGD's
             vanilla all-reduce, the LR warm-up); all steps are kept when there are no more than these.
         tokens_per_rank_step: Batch size times block size.
-        emulated: Whether the interface counters belong to the rank (False on loopback).
+        emulated: Whether the interface counters belong to the rank's host (False on loopback).
+        ranks_per_host: P. The interface counters are the host's, which its P ranks share; with P > 1 only the
+            FSDP methods' formula (all of whose traffic crosses hosts) is compared with them.
 
     Returns:
         ``per_method`` (one dict per method), ``equal_time_s`` and ``world_size``.
@@ -93,6 +102,8 @@ def summarize(
         timed = step_s[first:]
         med = statistics.median(timed)
         sent = mean([mean([float(r["sent"][i]) for r in recs]) for i in range(first, steps)])
+        if name in UNCOUNTED_METHODS:
+            sent = math.nan
         tx = mean([mean([float(r["tx"][i]) for r in recs]) for i in range(first, steps)])
         formula = recs[0]["formula_bytes"]
         per[name] = {
@@ -110,7 +121,7 @@ def summarize(
             "formula_bytes": formula,
             # On loopback, lo's counters add up every process of the machine: not this rank's traffic.
             "tx_bytes_kernel": tx if emulated else math.nan,
-            "kernel_over_formula": tx / formula if emulated and formula else math.nan,
+            "kernel_over_formula": _kernel_over_formula(name, tx, formula, ranks_per_host) if emulated else math.nan,
             "counters_over_formula": sent / formula if formula else math.nan,
             "loss_final": mean(loss[-LOSS_WINDOW:]),
             "total_s": cum[-1],
@@ -127,6 +138,7 @@ def summarize(
         (COMPUTE_ONLY, "vs_compute_paired", False),
         (DDP_HEADLINE, "ddp_vs_paired", True),
         (SCAPE_HEADLINE, "vs_scape_paired", False),
+        ("hsdp_adamw", "hsdp_vs_paired", True),
     )
     for ref_name, key, invert in refs:
         ref = per.get(ref_name)
@@ -147,7 +159,16 @@ def summarize(
         p["bytes_vs_ddp"] = (
             ddp["sent_bytes_counters"] / p["sent_bytes_counters"] if ddp and p["sent_bytes_counters"] else math.nan
         )
-    return {"per_method": per, "equal_time_s": t_equal, "world_size": W}
+    return {"per_method": per, "equal_time_s": t_equal, "world_size": W, "ranks_per_host": ranks_per_host}
+
+
+def _kernel_over_formula(name: str, tx: float, formula: float, ranks_per_host: int) -> float:
+    """The host's interface bytes over the formula's bytes for the host (NaN where they do not compare)."""
+    if not formula:
+        return math.nan
+    if ranks_per_host == 1:
+        return tx / formula
+    return tx / (formula * ranks_per_host) if name in FSDP_METHODS else math.nan
 
 
 def _ratios(summary: dict[str, Any]) -> dict[str, float]:
@@ -164,6 +185,11 @@ def _ratios(summary: dict[str, Any]) -> dict[str, float]:
         out["bytes_ddp_over_scape"] = d["sent_bytes_counters"] / s["sent_bytes_counters"]
         if not math.isnan(s["tx_bytes_kernel"]):
             out["kernel_bytes_ddp_over_scape"] = d["tx_bytes_kernel"] / s["tx_bytes_kernel"]
+    h, f = per.get("hsdp_adamw"), per.get("scape_fsdp_d0.01")
+    if h and f:
+        out["hsdp_over_scape_fsdp_paired"] = f["hsdp_vs_paired"]
+        if not math.isnan(f["tx_bytes_kernel"]):
+            out["kernel_bytes_hsdp_over_scape_fsdp"] = h["tx_bytes_kernel"] / f["tx_bytes_kernel"]
     if s:
         out["scape_kernel_over_formula"] = s["kernel_over_formula"]
         others = {n: p for n, p in per.items() if n not in (SCAPE_HEADLINE, COMPUTE_ONLY)}
@@ -177,10 +203,11 @@ def _ratios(summary: dict[str, Any]) -> dict[str, float]:
 
 def markdown_table(summary: dict[str, Any], emulated: bool) -> str:
     """The per-method table of one profile."""
+    tx_of = "host" if summary.get("ranks_per_host", 1) > 1 else "rank"
     head = (
         "| method | step ms (median) | p10-p90 | vs compute-only (paired) | DDP / this (paired) "
         "| this / SCAPE d=0.01 (paired) | tokens/s "
-        "| exposed comm ms | kB sent/rank/step (counters) | kB formula | kB tx/rank/step (kernel) | kernel/formula "
+        f"| exposed comm ms | kB sent/rank/step (counters) | kB formula | kB tx/{tx_of}/step (kernel) | kernel/formula "
         "| DDP bytes / bytes | loss @ last step | loss @ equal time (steps) |"
     )
     lines = [head, "|" + "---|" * 15]
@@ -198,6 +225,14 @@ def markdown_table(summary: dict[str, Any], emulated: bool) -> str:
     return "\n".join(lines)
 
 
+def _hosts(results: dict[str, Any]) -> str:
+    """`` on H hosts of P ranks`` when the ranks share hosts (only traffic between hosts is shaped)."""
+    per_host = results.get("ranks_per_host", 1)
+    if per_host == 1:
+        return ""
+    return f" on {results['world_size'] // per_host} hosts of {per_host} ranks (only the links between hosts shaped)"
+
+
 def write_outputs(results: dict[str, Any], out: str) -> None:
     """results.md, results.csv, results.json and the plots."""
     emulated = results["emulated"]
@@ -208,7 +243,8 @@ def write_outputs(results: dict[str, Any], out: str) -> None:
         f"Command: `{results['command']}`",
         f"Machine: {machine_line(results)}.",
         f"Model: litgpt GPT preset `{results['model']}` ({results['params'] / 1e6:.2f}M parameters), "
-        f"W = {results['world_size']}, {results['batch_size']} x {results['block_size']} tokens per rank per step, "
+        f"W = {results['world_size']}{_hosts(results)}, {results['batch_size']} x {results['block_size']} tokens "
+        "per rank per step, "
         f"{results['steps']} steps ({results['warmup']} warm-up steps excluded from the medians and bytes).",
         "",
     ]
@@ -220,7 +256,7 @@ def write_outputs(results: dict[str, Any], out: str) -> None:
             f"## Profile {prof['profile']}" + ("" if emulated else " (loopback: no limit)"),
             "",
             f"Rate {fmt(prof['rate_mbit'], '.0f') if prof['rate_mbit'] else 'unlimited'} Mbit/s per direction, "
-            f"one-way latency {prof['latency_ms']} ms; measured TCP goodput rank 0 -> 1: "
+            f"one-way latency {prof['latency_ms']} ms; measured TCP goodput host 0 -> 1: "
             f"{goodput_cell(tput)} Mbit/s. Loss at equal time: at "
             f"{s['equal_time_s']:.1f} s, the total time of the fastest distributed method.",
             "",
@@ -323,6 +359,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=40, help="optimizer steps per method")
     ap.add_argument("--warmup", type=int, default=10, help="LR warm-up, SCAPE dense warm-up and PowerSGD start")
     ap.add_argument("--world-size", type=int, default=2, help="ranks (hosts); 4 for the small/tiny models")
+    ap.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        help="ranks sharing one host's namespace and link (unshaped between them); the FSDP methods shard over them",
+    )
     ap.add_argument("--model", default="base", choices=list(MODEL_PRESETS), help="model preset")
     ap.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
@@ -339,6 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--steps must be >= 1, --warmup >= 0, --world-size >= 1")
     if ns.world_size < 2:
         ap.error("--world-size must be >= 2 (compute_only already covers W = 1)")
+    if ns.ranks_per_host < 1 or ns.world_size % ns.ranks_per_host:
+        ap.error(f"--ranks-per-host {ns.ranks_per_host} must divide --world-size {ns.world_size}")
     return ns
 
 
@@ -346,7 +390,8 @@ def resummarize(out: str) -> dict[str, Any]:
     """Rebuild every output of ``out`` from its per-rank records (after a change to the statistics)."""
 
     def summary_of(ranks: list[dict[str, Any]], r: dict[str, Any]) -> dict[str, Any]:
-        return summarize(ranks, r["methods"], r["warmup"], r["batch_size"] * r["block_size"], r["emulated"])
+        tokens = r["batch_size"] * r["block_size"]
+        return summarize(ranks, r["methods"], r["warmup"], tokens, r["emulated"], r.get("ranks_per_host", 1))
 
     results = harness.resummarize(out, summary_of)
     for prof in results["profiles"]:
@@ -394,9 +439,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         profiles,
         out,
         announce=f"{args.world_size} ranks, {len(methods)} methods, {args.steps} steps",
-        spec_for=lambda h, prof_dir: WorkerSpec.for_host(args, methods, prof_dir, h.ifname, warmup=args.warmup),
+        spec_for=lambda h, prof_dir: WorkerSpec.for_host(
+            args, methods, prof_dir, h.ifname, warmup=args.warmup, shard_size=args.ranks_per_host
+        ),
         timeout_s=args.timeout_s,
-        summarize=lambda ranks: summarize(ranks, methods, args.warmup, tokens, reason is None),
+        summarize=lambda ranks: summarize(ranks, methods, args.warmup, tokens, reason is None, args.ranks_per_host),
         show=show,
         write=lambda r: write_outputs(r, out),
     )

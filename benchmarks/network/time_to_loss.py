@@ -42,7 +42,14 @@ from typing import Any
 
 from benchmarks.network import harness
 from benchmarks.network.netns import PROFILES, Host
-from benchmarks.network.worker import METHOD_LABELS, TTL_METHODS, TTL_SCAPE_METHODS, WorkerSpec, ttl_scape_config
+from benchmarks.network.worker import (
+    FSDP_METHODS,
+    METHOD_LABELS,
+    TTL_METHODS,
+    TTL_SCAPE_METHODS,
+    WorkerSpec,
+    ttl_scape_config,
+)
 from benchmarks.reporting import (
     cumsum,
     fmt,
@@ -59,6 +66,11 @@ from benchmarks.reporting import (
 from lightning_scape import ScapeConfig
 from lightning_scape.examples.workloads import MODEL_PRESETS
 
+# Not part of "all": the model sharded inside each host (--ranks-per-host ranks) and replicated across hosts.
+TTL_FSDP_METHODS: tuple[str, ...] = ("hsdp_adamw", "scape_fsdp_default_d0.01")
+# The methods that get SCAPE's step budget (--scape-steps).
+SCAPE_BUDGET_METHODS: tuple[str, ...] = (*TTL_SCAPE_METHODS, "scape_fsdp_default_d0.01")
+assert set(TTL_FSDP_METHODS) <= set(FSDP_METHODS)
 DDP = "ddp_adamw"  # the reference: its final validation loss is the target
 TARGET_FACTORS: tuple[float, ...] = (1.0, 1.05)
 
@@ -607,7 +619,7 @@ def plot(runs: Sequence[dict[str, Any]], out: str, merged: bool = False) -> None
                         [q["loss"] for q in pts],
                         marker=".",
                         label=p["label"],
-                        **method_style(p["method"], TTL_METHODS),
+                        **method_style(p["method"], (*TTL_METHODS, *TTL_FSDP_METHODS)),
                     )
                 for f, ls in zip(TARGET_FACTORS, (":", "-."), strict=True):
                     ax.axhline(s["targets"][str(f)], color="grey", linestyle=ls, linewidth=0.8, label=f"{f:g} L*")
@@ -643,6 +655,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--methods", default="all", help=f"comma list of 'all' and of {list(TTL_METHODS)}")
     ap.add_argument("--model", default="small", choices=list(MODEL_PRESETS), help="model preset")
     ap.add_argument("--world-size", type=int, default=2, help="ranks (hosts)")
+    ap.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        help=f"ranks sharing one host's unshaped namespace; {list(TTL_FSDP_METHODS)} shard the model over them",
+    )
     ap.add_argument(
         "--steps",
         default="auto",
@@ -697,6 +715,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--steps must be a number or 'auto', got {ns.steps!r}")
     if ns.steps < 1 or ns.world_size < 2 or ns.eval_every < 0 or ns.eval_batches < 1 or ns.scape_steps < 0:
         ap.error("--steps must be >= 1, --scape-steps >= 0, --world-size >= 2, --eval-every >= 0, --eval-batches >= 1")
+    if ns.ranks_per_host < 1 or ns.world_size % ns.ranks_per_host:
+        ap.error(f"--ranks-per-host {ns.ranks_per_host} must divide --world-size {ns.world_size}")
+    if ns.ranks_per_host > 1 and ns.eval_batches % ns.world_size:
+        # A sharded model's forward is a collective of its shard group: every rank must evaluate as many batches.
+        ap.error(f"--eval-batches {ns.eval_batches} must be a multiple of --world-size {ns.world_size} with hosts")
     ns.scape_steps = ns.scape_steps or ns.steps
     ns.eval_every = ns.eval_every or max(1, round(ns.steps / EVAL_POINTS))
     ns.scape_overrides = parse_scape_set(ns.scape_set, ap)
@@ -724,25 +747,27 @@ def parse_scape_set(items: list[str], ap: argparse.ArgumentParser) -> dict[str, 
 
 def select_methods(spec: str) -> list[str]:
     """The methods of ``--methods`` in table order; DDP + AdamW, the reference, always among them."""
+    known = (*TTL_METHODS, *TTL_FSDP_METHODS)
     names: list[str] = []
     for m in (m.strip() for m in spec.split(",") if m.strip()):
         for name in TTL_METHODS if m == "all" else (m,):
-            if name not in TTL_METHODS:
-                raise SystemExit(f"unknown method {name!r}; choose from {list(TTL_METHODS)} or 'all'.")
+            if name not in known:
+                raise SystemExit(f"unknown method {name!r}; choose from {list(known)} or 'all'.")
             if name not in names:
                 names.append(name)
     if DDP not in names:
         names.insert(0, DDP)
-    return [m for m in TTL_METHODS if m in names]
+    return [m for m in known if m in names]
 
 
 def warn_about_budget(steps: int, methods: list[str], overrides: dict[str, Any], chunk_size: int) -> list[str]:
     """Warnings when a SCAPE method spends much of the budget in its dense warm-up and density ramp."""
     warnings = []
     for name in methods:
-        if name not in TTL_SCAPE_METHODS:
+        if name not in SCAPE_BUDGET_METHODS:
             continue
-        cfg = ttl_scape_config(name, chunk_size, overrides)  # what the workers will build
+        # What the workers will build (the FSDP form takes ScapeStrategy's configuration).
+        cfg = ttl_scape_config(name.replace("scape_fsdp_", "scape_"), chunk_size, overrides)
         dense = cfg.dense_warmup_steps + cfg.density_ramp_steps
         if dense >= steps:
             warnings.append(
@@ -832,7 +857,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             corpus=args.corpus,
             seed=args.seed,
             scape_overrides=args.scape_overrides,
-            method_steps={m: args.scape_steps for m in methods if m in TTL_SCAPE_METHODS},
+            method_steps={m: args.scape_steps for m in methods if m in SCAPE_BUDGET_METHODS},
+            shard_size=args.ranks_per_host,
         )
 
     def write(r: dict[str, Any]) -> None:

@@ -79,7 +79,12 @@ A2A_METHOD = "scape_sharded_d0.01_a2a"
 # starts (they are recorded with every run). The methods above pin dense_warmup_steps to the harness's warm-up.
 TTL_SCAPE_METHODS: tuple[str, ...] = ("scape_default_d0.01", "scape_default_d0.1", "scape_default_gradient_d0.01")
 TTL_METHODS: tuple[str, ...] = (*DDP_METHODS, *TTL_SCAPE_METHODS)
-EXTRA_METHODS: tuple[str, ...] = (A2A_METHOD, *TTL_SCAPE_METHODS)
+# Models sharded inside each host (WorkerSpec.shard_size ranks, FSDP2) and replicated across hosts: FSDP's native
+# HSDP (dense all-reduce of each shard across hosts) and ScapeFSDPStrategy's wiring (SCAPE across hosts).
+FSDP_METHODS: tuple[str, ...] = ("hsdp_adamw", "scape_fsdp_d0.01", "scape_fsdp_default_d0.01")
+EXTRA_METHODS: tuple[str, ...] = (A2A_METHOD, *TTL_SCAPE_METHODS, *FSDP_METHODS)
+# Methods whose bytes no ByteCounters sees (FSDP's own collectives): only the interface counters measure them.
+UNCOUNTED_METHODS: tuple[str, ...] = ("hsdp_adamw",)
 METHOD_LABELS: dict[str, str] = {
     COMPUTE_ONLY: "compute only (W=1, AdamW)",
     "ddp_adamw": "DDP + AdamW",
@@ -95,6 +100,9 @@ METHOD_LABELS: dict[str, str] = {
     "scape_default_d0.01": "SCAPE defaults (d=0.01)",
     "scape_default_d0.1": "SCAPE defaults, d=0.1",
     "scape_default_gradient_d0.01": "SCAPE defaults, gradient statistic",
+    "hsdp_adamw": "native HSDP + AdamW",
+    "scape_fsdp_d0.01": "ScapeFSDPStrategy d=0.01",
+    "scape_fsdp_default_d0.01": "ScapeFSDPStrategy defaults (d=0.01)",
 }
 # WorkerSpec.schedule: the network benchmark's "warmup_cosine_floor" (linear warm-up, cosine to 10% of the
 # peak: lr_at) or workloads.cosine_lr, "cosine" (ramp times a cosine to 0 at the last step: the quality
@@ -134,6 +142,7 @@ class WorkerSpec:
     # Step budgets of single methods, each over its own learning-rate cosine (the others train ``steps``): a method
     # with cheaper steps may take more of them in the same wall-clock, as a user on a slow network would.
     method_steps: dict[str, int] = field(default_factory=dict)
+    shard_size: int = 1  # ranks per host: the FSDP methods shard the model over them
 
     @classmethod
     def for_host(
@@ -468,10 +477,91 @@ class ScapeMethod(Method):
         return 2 * (w - 1) * slots * b // w + indices
 
 
+class FSDPMethod(Method):
+    """The model sharded with FSDP2 over the ``shard_size`` ranks of each host and replicated across hosts: FSDP's
+    native HSDP with AdamW (``hsdp_adamw``), or the wiring of ``ScapeFSDPStrategy``: SCAPE across the hosts on each
+    rank's shard, configured as ``ScapeMethod`` configures ``scape_sharded_d0.01`` (``scape_fsdp_d0.01``) or
+    ``scape_default_d0.01`` (``scape_fsdp_default_d0.01``, the time-to-loss mode's)."""
+
+    def __init__(self, name: str, spec: WorkerSpec, world_size: int) -> None:
+        from lightning_scape.wiring import fsdp
+
+        self.name = name
+        self.grid = fsdp.shard_grid(world_size, spec.shard_size, spec.shard_size, dist.get_rank())
+        mesh = _mesh(self.grid)
+        self.shard_group = mesh["shard"].get_group()
+        self.model = build_model(spec.block_size, preset=spec.model, seed=spec.seed)
+        self.numel = sum(p.numel() for p in self.model.parameters())
+        self.max_grad_norm = spec.max_grad_norm
+        self._last_grad = math.inf  # FSDP sets the sharded gradients itself: no per-parameter hook fires
+        if name == "hsdp_adamw":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in [m for m in self.model.modules() if type(m) in fsdp.default_wrap_policy()]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)  # a 2-D mesh: HSDP, replicate x shard
+            self.opt = torch.optim.AdamW(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
+            self.counters = None
+            return
+        fsdp.shard_module(self.model, mesh["shard"], None)
+        fsdp.sync_replicas(self.model, mesh["replicate"].get_group(), replicate_src=self.grid.shard_index)
+        if name == "scape_fsdp_default_d0.01":
+            self.config = ttl_scape_config("scape_default_d0.01", spec.chunk_size, spec.scape_overrides)
+        else:
+            self.config = ScapeConfig(
+                density=0.01,
+                chunk_size=spec.chunk_size,
+                dense_warmup_steps=spec.warmup,
+                density_ramp_steps=0,
+                bucket_cap_mb=BUCKET_CAP_MB,
+            )
+        adams = AdamS(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
+        comm = fsdp.replicate_communicator(mesh, self.grid, spec.timeout_s)
+        self.opt, self.binding = fsdp.build_fsdp_scape_optimizer(adams, self.config, self.model, comm)
+        self.engine = self.opt.engine
+        self.counters = self.engine.counters
+
+    def optimizer_step(self) -> float:
+        """HSDP: clip, AdamW. SCAPE: clip by the norm over all shards, step, wait for the next mask."""
+        if self.name == "hsdp_adamw":
+            return super().optimizer_step()
+        from lightning_scape.wiring import fsdp
+
+        fsdp.request_global_clip(self.opt, self.max_grad_norm, self.shard_group, self.grid.shard_size)
+        self.opt.step()
+        self.opt.zero_grad()
+        if not self.engine.in_warmup:
+            self.engine.current_masks()
+        return self.engine.counters.step_wait_s
+
+    def formula_bytes(self) -> int:
+        """Per rank, all of it between hosts: HSDP all-reduces its shard across the R hosts; SCAPE as
+        ``ScapeMethod`` with W = R on the shard's slots."""
+        r = self.grid.replicas
+        if self.name == "hsdp_adamw":
+            return 2 * (r - 1) * (self.numel // self.grid.shard_size) * 4 // r
+        return (r - 1) * self.engine.slots * 10 // r + 2 * (r - 1) * 4 // r
+
+
+_MESHES: dict[tuple[int, int], Any] = {}
+
+
+def _mesh(grid: Any) -> Any:
+    """One ``("replicate", "shard")`` mesh per grid, shared by the FSDP methods (every rank makes it in turn)."""
+    from lightning_scape.wiring import fsdp
+
+    key = (grid.replicas, grid.shard_size)
+    if key not in _MESHES:
+        _MESHES[key] = fsdp.build_mesh("cpu", grid)
+    return _MESHES[key]
+
+
 def make_method(name: str, spec: WorkerSpec, world_size: int) -> Method:
     """The method called ``name``."""
     if name == COMPUTE_ONLY:
         return ComputeOnly(spec)
+    if name in FSDP_METHODS:
+        return FSDPMethod(name, spec, world_size)
     if name in DDP_METHODS:
         return DDPMethod(name, spec, world_size)
     if name in SCAPE_METHODS or name in EXTRA_METHODS:
