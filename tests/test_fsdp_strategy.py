@@ -222,12 +222,16 @@ def sparse_run(outdir: str) -> None:
         "sent": sent,
         "slots": engine.slots,
         "local_fraction": strategy.binding.local_numel() / total,
+        "comm": (type(engine.comm).__name__, engine.comm.rank, engine.comm.world_size),
     }
     save_output(outdir, "sparse", rank(), out)
 
 
 def test_sparse_replicas_identical_and_each_rank_holds_its_shard(fsdp_runs: str) -> None:
     outs = load_outputs(fsdp_runs, "sparse", W)
+    # The engine runs on the replicate group (rank r // S of R), through the communicator whose failures name the
+    # global rank that stopped answering (the heartbeats are global).
+    assert [out["comm"] for out in outs] == [("FaultNamingCommunicator", r // S, W // S) for r in range(W)]
     for step in range(4):
         for r in range(1, W):
             assert torch.equal(outs[r]["params"][step], outs[0]["params"][step]), (step, r)

@@ -382,7 +382,7 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
     md = [
         f"## {prof['profile']}: W = {prof['world_size']}, `{prof['model']}` model",
         "",
-        f"{rate}; measured TCP goodput rank 0 -> 1: {goodput_cell(tput)} Mbit/s. "
+        f"{rate}; measured TCP goodput host 0 -> 1: {goodput_cell(tput)} Mbit/s. "
         f"{_budget(prof)} of W x {prof['batch_size']} x {prof['block_size']} tokens, validation every "
         f"{prof['eval_every']} steps, seed {prof.get('seed', 0)}; profile wall-clock {prof['wall_s'] / 60:.1f} min "
         "(evaluations included).",

@@ -183,19 +183,22 @@ class _NamedPending:
 
 
 class FaultNamingCommunicator:
-    """The default process group's collectives, with failures that name the rank that stopped answering.
+    """A process group's collectives, with failures that name the rank that stopped answering.
 
     A wait gives up after :func:`collective_wait_seconds` (without a heartbeat, after ``timeout_s``), so
-    the error, diagnosis included, comes within ``timeout_s``.
+    the error, diagnosis included, comes within ``timeout_s``. Heartbeats are global: a diagnosis names global
+    ranks, and every process must issue as many of these collectives as the others (true of one engine per
+    process, whichever group it runs on).
 
     Args:
         timeout_s: The engine's collective timeout (``collective_timeout_s``).
+        group: The process group (None: the default group).
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, group: dist.ProcessGroup | None = None) -> None:
         self.heartbeat = _Heartbeat.for_process(timeout_s)
         wait_s = timeout_s if self.heartbeat is None else collective_wait_seconds(timeout_s)
-        self.inner = ProcessGroupCommunicator(None, timeout_s=wait_s)
+        self.inner = ProcessGroupCommunicator(group, timeout_s=wait_s)
         self.rank = self.inner.rank
         self.world_size = self.inner.world_size
 

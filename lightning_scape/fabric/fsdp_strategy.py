@@ -25,6 +25,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
+from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.fabric.set_up_objects import SetUpObjects
 from lightning_scape.wiring import fsdp, fsdp_checkpoint, registry
@@ -265,6 +266,7 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
             opt.engine.close()
         for binding in self._bindings:
             binding.detach()
+        stop_heartbeat()  # the replicate group's fault naming: a thread left running outlives the fit
         super().teardown()
 
     @classmethod

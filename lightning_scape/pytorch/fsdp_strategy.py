@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
+from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.wiring import fsdp, fsdp_checkpoint, registry
@@ -246,6 +247,7 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
         self._bindings.clear()
         if "clip_gradients" in vars(self.precision_plugin):
             del self.precision_plugin.clip_gradients
+        stop_heartbeat()  # the replicate group's fault naming: a thread left running outlives the fit
         super().teardown()
 
     @classmethod

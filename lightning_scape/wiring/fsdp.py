@@ -35,8 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_scape.adams import AdamS
-from lightning_scape.comm import Communicator, ProcessGroupCommunicator, SoloCommunicator
-from lightning_scape.comm.fault_naming import collective_wait_seconds
+from lightning_scape.comm import Communicator, FaultNamingCommunicator, SoloCommunicator
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
@@ -318,7 +317,7 @@ def replicate_communicator(mesh: Any, grid: ShardGrid, timeout_s: float) -> Comm
     """The engine's collectives: the replicate group of this rank (nothing when there is one group)."""
     if grid.replicas == 1:
         return SoloCommunicator()
-    return ProcessGroupCommunicator(mesh["replicate"].get_group(), timeout_s=collective_wait_seconds(timeout_s))
+    return FaultNamingCommunicator(timeout_s, group=mesh["replicate"].get_group())
 
 
 def build_fsdp_scape_optimizer(
