@@ -331,6 +331,36 @@ def gloo_run_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[st
     return run_worker(rank, _process_group_comm(), spec)
 
 
+def gloo_sliced_collectives_worker(rank: int, world_size: int, slice_bytes: int) -> dict[str, bool]:
+    """The communicator's gloo reduce-scatter and all-gather sent in slices of ``slice_bytes`` per peer, against
+    torch's one-message collectives on the same inputs."""
+    import torch.distributed as dist
+
+    from lightning_scape.comm import process_group
+
+    process_group.GLOO_SLICE_BYTES = slice_bytes
+    comm = _process_group_comm()
+    gen = torch.Generator().manual_seed(rank)
+    values = torch.randn(world_size * 37, generator=gen)
+    shard = torch.empty(37)
+    comm.reduce_scatter_sum(shard, values).wait()
+    summed = values.clone()
+    dist.all_reduce(summed)
+    gathered, expected = torch.empty(world_size * 37), torch.empty(world_size * 37)
+    comm.all_gather(gathered, shard).wait()
+    dist.all_gather_into_tensor(expected, shard)
+    indices = torch.randint(-(2**15), 2**15 - 1, (29,), generator=gen, dtype=torch.int16)
+    all_indices, expected_indices = torch.empty(world_size * 29, dtype=torch.int16), torch.empty(world_size * 29)
+    comm.all_gather(all_indices, indices).wait()
+    dist.all_gather_into_tensor(expected_indices, indices.float())
+    return {
+        # gloo's all-reduce sums in an order of its own: the sums to a tolerance, the moved values exactly.
+        "reduce_scatter": torch.allclose(shard, summed.view(world_size, -1)[rank], rtol=1e-6, atol=1e-6),
+        "all_gather": torch.equal(gathered, expected),
+        "int16": torch.equal(all_indices.float(), expected_indices),
+    }
+
+
 def gloo_mass_worker(rank: int, world_size: int, steps: int) -> dict[str, Tensor]:
     """:func:`mass_worker` on the default (gloo) process group (for :func:`run_gloo`)."""
     return mass_worker(rank, _process_group_comm(), steps)

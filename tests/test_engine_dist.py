@@ -6,7 +6,15 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import gloo_mass_worker, gloo_run_worker, reference_dense_adams, rel_err, run_gloo, run_worker
+from helpers import (
+    gloo_mass_worker,
+    gloo_run_worker,
+    gloo_sliced_collectives_worker,
+    reference_dense_adams,
+    rel_err,
+    run_gloo,
+    run_worker,
+)
 
 from lightning_scape import ScapeConfig, simulate
 
@@ -73,3 +81,10 @@ def test_no_gradient_mass_is_lost_over_gloo() -> None:
     for r in results:
         assert torch.equal(r["grad_sum"], r["sent"] + r["residual"])
     assert torch.equal(sum(r["grad_sum"] for r in results), sum(r["sent"] + r["residual"] for r in results))
+
+
+@pytest.mark.parametrize("slice_bytes", [20, 1 << 20])
+def test_gloo_collectives_in_slices_move_what_one_message_moves(slice_bytes: int) -> None:
+    # 20 bytes: 37 fp32 values per peer in 8 slices (the last one short), 58 index bytes in 3; 1 MiB: one slice.
+    for out in run_gloo(3, gloo_sliced_collectives_worker, slice_bytes):
+        assert out == {"reduce_scatter": True, "all_gather": True, "int16": True}

@@ -72,12 +72,33 @@ def worker() -> None:
         assert w is not None
         w.wait()
 
+    def pair_chunked(chunks: int) -> None:
+        # The pair over `chunks` slices of the same bytes, every slice's collective launched before any is waited
+        # on (where the slices land does not matter to the wire).
+        n = NUMEL // world // chunks
+        sends = [torch.empty(world * n) for _ in range(chunks)]
+        recvs = [torch.empty(world * n) for _ in range(chunks)]
+        for w in [dist.all_to_all_single(r, g, async_op=True) for r, g in zip(recvs, sends, strict=True)]:
+            assert w is not None
+            w.wait()
+        works = [dist.all_gather_into_tensor(r, g[:n], async_op=True) for r, g in zip(recvs, sends, strict=True)]
+        for w in works:
+            assert w is not None
+            w.wait()
+
     patterns: list[tuple[str, Callable[[], None]]] = [
         ("all-reduce (DDP)", all_reduce),
         ("all-to-all", all_to_all),
         ("all-gather", all_gather),
         ("all-to-all, all-gather", pair),
         ("same, async + wait", pair_async),
+        # Which pairs are slow: the same collective twice, and the pair in the other order.
+        ("all-reduce twice", lambda: (all_reduce(), all_reduce())),
+        ("all-to-all twice", lambda: (all_to_all(), all_to_all())),
+        ("all-gather twice", lambda: (all_gather(), all_gather())),
+        ("all-gather, all-to-all", lambda: (all_gather(), all_to_all())),
+        ("pair in 4 slices, async", lambda: pair_chunked(4)),
+        ("pair in 16 slices, async", lambda: pair_chunked(16)),
     ]
     for idle in (0.0, 0.6):
         for name, fn in patterns:

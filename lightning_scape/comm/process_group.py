@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -10,26 +11,37 @@ from torch import Tensor
 
 from lightning_scape.comm.base import Pending
 
+# On gloo an all-to-all or all-gather sends each peer its part as one message, and back to back such collectives
+# lose the overlap of the two directions of a link: SCAPE's dense step (all-to-all, then all-gather) took 1.55x
+# DDP's all-reduce of the same bytes at 100 Mbit/s. Sent as slices of at most this many bytes per peer, all
+# launched before any is waited on, it takes 1.03-1.09x DDP's at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s; smaller
+# slices are faster on slow links and slower on fast ones (each slice is one more gloo collective to run).
+# docs/benchmarks.md, "The dense step", has the measurements.
+GLOO_SLICE_BYTES = 256 * 1024
+
 
 class _TorchWork:
-    def __init__(self, work: dist.Work | None, name: str, group_desc: str, timeout_s: float) -> None:
-        self._work = work
+    def __init__(self, works: list[dist.Work | None], name: str, group_desc: str, timeout_s: float) -> None:
+        self._works = works
         self._name = name
         self._group_desc = group_desc
         self._timeout_s = timeout_s
 
     def wait(self) -> None:
-        if self._work is None:
+        if not self._works:
             return
+        deadline = time.monotonic() + self._timeout_s
         try:
-            self._work.wait(timedelta(seconds=self._timeout_s))
+            for work in self._works:  # in launch order, each within what is left of the one timeout
+                if work is not None:
+                    work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as exc:
             raise RuntimeError(
                 f"SCAPE collective {self._name} on {self._group_desc} failed or timed out after "
                 f"{self._timeout_s:.0f}s: another rank probably died or stopped calling the same "
                 f"collectives. Underlying error: {exc}"
             ) from exc
-        self._work = None
+        self._works = []
 
 
 class ProcessGroupCommunicator:
@@ -56,8 +68,8 @@ class ProcessGroupCommunicator:
     def __getstate__(self) -> dict[str, object]:
         raise TypeError("A ProcessGroupCommunicator holds a live process group and cannot be pickled.")
 
-    def _wrap(self, work: dist.Work | None, name: str) -> Pending:
-        return _TorchWork(work, name, self._desc, self.timeout_s)
+    def _wrap(self, work: dist.Work | list[dist.Work | None] | None, name: str) -> Pending:
+        return _TorchWork(work if isinstance(work, list) else [work], name, self._desc, self.timeout_s)
 
     def all_reduce_sum(self, tensor: Tensor) -> Pending:
         """Async all-reduce (sum), in place."""
@@ -74,15 +86,29 @@ class ProcessGroupCommunicator:
         name = f"reduce_scatter({input.numel()} x {input.dtype})"
         if self._gloo:
             received = torch.empty_like(input)
-            w = dist.all_to_all_single(received, input, group=self.group, async_op=True)
-            return _SumOnWait(self._wrap(w, name), received, output, self.world_size)
+            sent, got = input.view(self.world_size, -1), received.view(self.world_size, -1)
+            works = [
+                dist.all_to_all(
+                    list(got[:, cols].unbind()), list(sent[:, cols].unbind()), group=self.group, async_op=True
+                )
+                for cols in _gloo_slices(sent)
+            ]
+            return _SumOnWait(self._wrap(works, name), received, output, self.world_size)
         w = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return self._wrap(w, name)
 
     def all_gather(self, output: Tensor, input: Tensor) -> Pending:
         """Async all-gather; int16 travels as bytes (gloo has no int16)."""
+        name = f"all_gather({input.numel()} x {input.dtype})"
+        if self._gloo:
+            mine, parts = _wire(input), _wire(output).view(self.world_size, -1)
+            works = [
+                dist.all_gather(list(parts[:, cols].unbind()), mine[cols], group=self.group, async_op=True)
+                for cols in _gloo_slices(parts)
+            ]
+            return self._wrap(works, name)
         w = _all_gather(_wire(output), _wire(input), group=self.group, async_op=True)
-        return self._wrap(w, f"all_gather({input.numel()} x {input.dtype})")
+        return self._wrap(w, name)
 
 
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names.
@@ -106,6 +132,13 @@ class _SumOnWait:
         self._output.copy_(self._parts[0])
         for part in self._parts[1:]:
             self._output.add_(part)
+
+
+def _gloo_slices(per_peer: Tensor) -> list[slice]:
+    """Column ranges of ``per_peer`` (one row per peer) of at most :data:`GLOO_SLICE_BYTES` each."""
+    n = per_peer.shape[1]
+    step = max(1, GLOO_SLICE_BYTES // per_peer.element_size())
+    return [slice(a, min(a + step, n)) for a in range(0, n, step)]
 
 
 def _wire(t: Tensor) -> Tensor:
