@@ -12,11 +12,11 @@ from torch import Tensor
 from lightning_scape.comm.base import Pending
 
 # On gloo an all-to-all or all-gather sends each peer its part as one message, and back to back such collectives
-# lose the overlap of the two directions of a link: SCAPE's dense step (all-to-all, then all-gather) took 1.55x
-# DDP's all-reduce of the same bytes at 100 Mbit/s. Sent as slices of at most this many bytes per peer, all
-# launched before any is waited on, it takes 1.03-1.09x DDP's at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s; smaller
-# slices are faster on slow links and slower on fast ones (each slice is one more gloo collective to run).
-# docs/benchmarks.md, "The dense step", has the measurements.
+# lose the overlap of the two directions of a link: on a slow link SCAPE's dense step (all-to-all, then
+# all-gather) took half as long again as DDP's all-reduce of the same bytes. Sent as slices of at most this many
+# bytes per peer, all launched before any is waited on, it runs at about DDP's speed; smaller slices are faster on
+# slow links and slower on fast ones (each slice is one more gloo collective to run). docs/benchmarks.md, "The
+# dense step", has the measurements.
 GLOO_SLICE_BYTES = 256 * 1024
 
 
