@@ -1,8 +1,8 @@
 """Runs one of test_setup_refusals' cases: ``python _refusal_worker.py <case> <outdir>``.
 
 ``precision`` and ``ddp_resume`` run in one process and save what they saw as ``<outdir>/<case>.pt``; the
-``sgd`` and ``missing_scape`` cases launch two processes (Lightning's ``popen`` launcher re-runs this command
-for rank 1) and fail: the test reads what they printed.
+``sgd``, ``fsdp_sgd`` and ``missing_scape`` cases launch two processes (Lightning's ``popen`` launcher re-runs
+this command for rank 1) and fail: the test reads what they printed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scape import OneProcessWarning
 from lightning_scape.fabric import ScapeStrategy as FabricScapeStrategy
-from lightning_scape.pytorch import ScapeStrategy
+from lightning_scape.pytorch import ScapeFSDPStrategy, ScapeStrategy
 
 torch.set_num_threads(1)
 SCAPE: dict[str, Any] = {"density": 0.1, "chunk_size": 64, "dense_warmup_steps": 1, "density_ramp_steps": 0}
@@ -116,6 +116,12 @@ def sgd(outdir: str) -> None:
     trainer(ScapeStrategy(**SCAPE), devices=2).fit(Net(torch.optim.SGD), loader())
 
 
+def fsdp_sgd(outdir: str) -> None:
+    """As ``sgd``, in the FSDP form (two groups of one process): fails at set-up on both ranks."""
+    strategy = ScapeFSDPStrategy(shard_size=1, **SCAPE)
+    trainer(strategy, devices=2).fit(Net(torch.optim.SGD), loader())
+
+
 def missing_scape(outdir: str) -> None:
     """Two processes resuming a checkpoint whose ``.scape`` folder was deleted: fails on both ranks."""
     ckpt = os.path.join(outdir, "two.ckpt")
@@ -130,4 +136,5 @@ def missing_scape(outdir: str) -> None:
 
 if __name__ == "__main__":
     case, outdir = sys.argv[1:3]
-    {"precision": precision, "ddp_resume": ddp_resume, "sgd": sgd, "missing_scape": missing_scape}[case](outdir)
+    cases = {"precision": precision, "ddp_resume": ddp_resume, "sgd": sgd, "fsdp_sgd": fsdp_sgd}
+    {**cases, "missing_scape": missing_scape}[case](outdir)

@@ -2,7 +2,8 @@
 
 ``bf16-true`` / ``16-true`` refused by both strategies; one process warned that it communicates nothing; a
 SCAPE checkpoint's optimizer entry refused by a torch optimizer (``strategy="ddp"``) instead of loading as empty
-moments; an unsupported optimizer and a missing ``.scape`` folder on two processes: one traceback, rank 0's.
+moments; an unsupported optimizer (both strategies) and a missing ``.scape`` folder on two processes: one
+traceback, rank 0's.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def test_a_scape_checkpoint_resumed_by_ddp_fails_saying_what_it_is_instead_of_em
     ("case", "cause"),
     [
         ("sgd", "TypeError: ScapeStrategy steps the optimizer itself"),
+        ("fsdp_sgd", "TypeError: ScapeStrategy steps the optimizer itself"),
         ("missing_scape", "FileNotFoundError: SCAPE state of rank 0 is missing"),
     ],
 )

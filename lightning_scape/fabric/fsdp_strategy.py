@@ -28,7 +28,7 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.fabric.set_up_objects import SetUpObjects
-from lightning_scape.wiring import fsdp, fsdp_checkpoint, registry
+from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
 from lightning_scape.wiring.warmup_notice import Syntax, WarmupNotice
@@ -125,7 +125,8 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         self._device_mesh = fsdp.build_mesh(self.root_device.type, self._grid)
 
     def _parallelize(self, module: Module, mesh: Any) -> Module:
-        fsdp.shard_module(module, mesh["shard"], self._wrap_policy)
+        with rank_failures.agreed("Sharding the model for ScapeFSDPStrategy"):  # reported once, by rank 0
+            fsdp.shard_module(module, mesh["shard"], self._wrap_policy)
         return module
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -159,14 +160,15 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Build the SCAPE engine for ``optimizer`` on this rank's shard, across the groups."""
-        module = self._module_of(optimizer)
-        if module is None:
-            raise ValueError(
-                "ScapeFSDPStrategy found no set-up model whose parameters this optimizer holds. Create it after "
-                "model = fabric.setup_module(model), from model.parameters()."
-            )
-        comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
-        scape, binding = fsdp.build_fsdp_scape_optimizer(optimizer, self.scape_config, module, comm)
+        with rank_failures.agreed("Setting up the optimizer for ScapeFSDPStrategy"):  # reported once, by rank 0
+            module = self._module_of(optimizer)
+            if module is None:
+                raise ValueError(
+                    "ScapeFSDPStrategy found no set-up model whose parameters this optimizer holds. Create it "
+                    "after model = fabric.setup_module(model), from model.parameters()."
+                )
+            comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
+            scape, binding = fsdp.build_fsdp_scape_optimizer(optimizer, self.scape_config, module, comm)
         self._scape_optimizers.append(scape)
         self._bindings.append(binding)
         return scape

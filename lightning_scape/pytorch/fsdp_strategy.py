@@ -30,7 +30,7 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring import fsdp, fsdp_checkpoint, registry
+from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
 
@@ -128,7 +128,8 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
-            fsdp.shard_module(self.model, self.device_mesh["shard"], self._wrap_policy, root_runs_forward=False)
+            with rank_failures.agreed("Sharding the model for ScapeFSDPStrategy"):
+                fsdp.shard_module(self.model, self.device_mesh["shard"], self._wrap_policy, root_runs_forward=False)
             _materialize_distributed_module(self.model, self.root_device)
             replicate = self.device_mesh["replicate"].get_group()
             fsdp.sync_replicas(self.model, replicate, replicate_src=self.grid.shard_index)
@@ -143,15 +144,16 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """Create the user's optimizer and schedulers, then hand the optimizer to a SCAPE engine on this shard."""
-        super().setup_optimizers(trainer)
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"ScapeFSDPStrategy steps one optimizer, but configure_optimizers returned {len(self.optimizers)}. "
-                "Put all parameters in param groups of one AdamS / AdamW."
-            )
-        assert self.model is not None
-        comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
-        scape, binding = fsdp.build_fsdp_scape_optimizer(self.optimizers[0], self.scape_config, self.model, comm)
+        with rank_failures.agreed("Setting up the optimizer for ScapeFSDPStrategy"):  # reported once, by rank 0
+            super().setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"ScapeFSDPStrategy steps one optimizer, but configure_optimizers returned "
+                    f"{len(self.optimizers)}. Put all parameters in param groups of one AdamS / AdamW."
+                )
+            assert self.model is not None
+            comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
+            scape, binding = fsdp.build_fsdp_scape_optimizer(self.optimizers[0], self.scape_config, self.model, comm)
         self._bindings.append(binding)
         self.optimizers = [scape]
 
