@@ -52,6 +52,7 @@ from lightning_scape.examples.workloads import (
     validation_batch_losses,
     weight_decay_groups,
 )
+from lightning_scape.wiring import fsdp
 
 # The model is one of lightning_scape.examples.workloads.MODEL_PRESETS (WorkerSpec.model names it). "base" is what the
 # published W = 2 numbers use: on this 2-core VM one rank's step on 4 x 128 tokens takes 0.40-0.43 s
@@ -472,7 +473,7 @@ class ScapeMethod(Method):
         """``docs/algorithm.md`` section 5 with R = 1, plus the clipping scalar (sharded)."""
         w, slots, b = self.world_size, self.engine.slots, 4
         if self.config.sharded:
-            return (w - 1) * slots * (b + b + 2) // w + 2 * (w - 1) * 4 // w
+            return sharded_scape_bytes(w, slots)
         indices = (w - 1) * slots * 2 // w if self.config.mask_statistic == "gradient" else 0
         return 2 * (w - 1) * slots * b // w + indices
 
@@ -484,8 +485,6 @@ class FSDPMethod(Method):
     ``scape_default_d0.01`` (``scape_fsdp_default_d0.01``, the time-to-loss mode's)."""
 
     def __init__(self, name: str, spec: WorkerSpec, world_size: int) -> None:
-        from lightning_scape.wiring import fsdp
-
         self.name = name
         self.grid = fsdp.shard_grid(world_size, spec.shard_size, spec.shard_size, dist.get_rank())
         mesh = _mesh(self.grid)
@@ -525,8 +524,6 @@ class FSDPMethod(Method):
         """HSDP: clip, AdamW. SCAPE: clip by the norm over all shards, step, wait for the next mask."""
         if self.name == "hsdp_adamw":
             return super().optimizer_step()
-        from lightning_scape.wiring import fsdp
-
         fsdp.request_global_clip(self.opt, self.max_grad_norm, self.shard_group, self.grid.shard_size)
         self.opt.step()
         self.opt.zero_grad()
@@ -540,7 +537,7 @@ class FSDPMethod(Method):
         r = self.grid.replicas
         if self.name == "hsdp_adamw":
             return 2 * (r - 1) * (self.numel // self.grid.shard_size) * 4 // r
-        return (r - 1) * self.engine.slots * 10 // r + 2 * (r - 1) * 4 // r
+        return sharded_scape_bytes(r, self.engine.slots)
 
 
 _MESHES: dict[tuple[int, int], Any] = {}
@@ -548,12 +545,17 @@ _MESHES: dict[tuple[int, int], Any] = {}
 
 def _mesh(grid: Any) -> Any:
     """One ``("replicate", "shard")`` mesh per grid, shared by the FSDP methods (every rank makes it in turn)."""
-    from lightning_scape.wiring import fsdp
-
     key = (grid.replicas, grid.shard_size)
     if key not in _MESHES:
         _MESHES[key] = fsdp.build_mesh("cpu", grid)
     return _MESHES[key]
+
+
+def sharded_scape_bytes(world_size: int, slots: int) -> int:
+    """Bytes per rank of a sharded fp32 sparse step over ``world_size`` ranks (``docs/algorithm.md`` section 5,
+    R = 1): values, parameters and int16 indices of the slots, plus the clipping scalar."""
+    w = world_size
+    return (w - 1) * slots * (4 + 4 + 2) // w + 2 * (w - 1) * 4 // w
 
 
 def make_method(name: str, spec: WorkerSpec, world_size: int) -> Method:
