@@ -33,6 +33,7 @@ from .chunk_topk import (
 )
 from .dense_adams import dense_adams, dense_adams_ref, dense_adams_triton
 from .ef_compact import ef_compact, ef_compact_ref, ef_compact_triton
+from .round_int8 import decode_int8, round_int8, round_int8_ref, round_int8_triton
 from .scatter_decay import scatter_decay, scatter_decay_ref, scatter_decay_triton
 from .sparse_adams import sparse_adams, sparse_adams_ref, sparse_adams_triton
 
@@ -44,6 +45,7 @@ __all__ = [
     "chunk_topk",
     "chunk_topk_ref",
     "chunk_topk_triton",
+    "decode_int8",
     "dense_adams",
     "dense_adams_ref",
     "dense_adams_triton",
@@ -52,6 +54,9 @@ __all__ = [
     "ef_compact_triton",
     "mask_positions",
     "mask_scores_ref",
+    "round_int8",
+    "round_int8_ref",
+    "round_int8_triton",
     "scatter_decay",
     "scatter_decay_ref",
     "scatter_decay_triton",

@@ -12,9 +12,15 @@ from lightning_scape.kernels import MAX_CHUNK_SIZE
 
 MaskStatistic = Literal["momentum", "gradient", "random"]
 RampShape = Literal["geometric", "linear"]
+WireFormat = Literal["full", "int8"]
 
 MASK_STATISTICS: tuple[str, ...] = ("momentum", "gradient", "random")
 RAMP_SHAPES: tuple[str, ...] = ("geometric", "linear")
+WIRE_FORMATS: tuple[str, ...] = ("full", "int8")
+# A dense step's values and parameter updates in the int8 wire format get one scale per this many coordinates
+# (or per chunk, in a chunk smaller than this): a dense gradient varies more along a bucket than within a chunk
+# row's few sparse values, which share one scale.
+INT8_DENSE_GROUP = 256
 # A ramp step denser than this is sent dense. A sparse step sends an index beside every value and parameter,
 # so the denser it is, the less it saves against dense, until it sends more (docs/algorithm.md section 5 has the
 # bytes); and the compact buffers, sized for the densest sparse step, stay this fraction of the gradient.
@@ -75,6 +81,14 @@ class ScapeConfig:
             and moving it all the way at once overshoots. The default is the best cap measured
             (``docs/algorithm.md`` section 7, "The catch-up cap"); lower it if the loss jumps when the sparse
             phase starts, raise it for long runs at a low learning rate.
+        wire_format: How gradient values and parameter updates travel. ``"full"`` sends them in the parameters'
+            dtype. ``"int8"`` (sharded mode only) sends each as an int8 code with one fp32 scale per group (a
+            chunk row's slots in a sparse step, 256 coordinates in a dense one): a gradient's rounding error
+            stays in the residual, so no gradient mass is lost, and a parameter update travels as the change
+            from the value every rank holds, which every rank (the owner too) applies identically, so replicas
+            stay bitwise equal. Dense steps send about 1/4 of the bytes and sparse steps about 0.42 (the int16
+            indices stay): what that buys in time and costs in loss is measured in ``docs/algorithm.md``
+            section 7. It does not combine with fp16 loss scaling (use bf16).
         bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
             communicating earlier in the backward pass but cost more launches; 25 is DDP's default.
         seed: Seed of the shared random generator (``mask_statistic="random"``).
@@ -100,6 +114,7 @@ class ScapeConfig:
     mask_statistic: MaskStatistic = "momentum"
     exploration: float = 0.1
     catch_up_cap: float = 32.0
+    wire_format: WireFormat = "full"
     bucket_cap_mb: float = 25.0
     seed: int = 0
     collective_timeout_s: float = 1800.0
@@ -222,6 +237,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("mask_statistic", _one_of(MASK_STATISTICS), f"is unknown; choose one of {MASK_STATISTICS}."),
     ("exploration", lambda value: 0.0 <= value < 1.0, "must lie in [0, 1); 0.1 is the default."),
     ("catch_up_cap", lambda value: value >= 1.0, "must be >= 1 (steps of movement at once)."),
+    ("wire_format", _one_of(WIRE_FORMATS), f"is unknown; choose one of {WIRE_FORMATS}."),
     ("bucket_cap_mb", lambda value: value > 0.0, "must be > 0."),
     ("collective_timeout_s", lambda value: value > 0.0, "must be > 0."),
     ("resume_with_new_config", lambda value: isinstance(value, bool), "must be True or False."),
@@ -238,6 +254,11 @@ def _validate(cfg: ScapeConfig) -> None:
         value = getattr(cfg, name)
         if not holds(value):
             raise ValueError(f"Invalid ScapeConfig: {name}={value!r} {requirement}")
+    if cfg.wire_format == "int8" and not cfg.sharded:
+        raise ValueError(
+            "Invalid ScapeConfig: wire_format='int8' needs sharded=True (replicated mode sums its values with an "
+            "all-reduce, which int8 codes with per-rank scales cannot take); set sharded=True or wire_format='full'."
+        )
 
 
 class ScapeOptions(TypedDict, total=False):
@@ -254,6 +275,7 @@ class ScapeOptions(TypedDict, total=False):
     mask_statistic: MaskStatistic
     exploration: float
     catch_up_cap: float
+    wire_format: WireFormat
     bucket_cap_mb: float
     seed: int
     collective_timeout_s: float

@@ -311,6 +311,37 @@ def test_select_mask_equals_ref_exactly(shape: tuple[int, int], density: float, 
     assert torch.equal(K.select_mask_triton(m, e, 0.9, statistic, C, k, ke, offset), ref)
 
 
+# ---------------------------------------------------------------- int8 rounding
+
+
+@pytest.mark.parametrize(("groups", "group"), [(5, 1), (7, 41), (3, 256), (2, 4096)])
+def test_round_int8_equals_ref_exactly(groups: int, group: int) -> None:
+    gen = torch.Generator().manual_seed(group)
+    x = torch.randn(groups * group, generator=gen) * torch.rand(groups * group, generator=gen).pow(4)
+    x[:group] = 0.0  # a group of zeros: scale 0, codes 0
+    x[group : group + 3 * (group > 2)] = torch.tensor([2.0, -1.0, 0.5])[: 3 * (group > 2)]
+    outs = []
+    for op in (K.round_int8_ref, K.round_int8_triton):
+        xi = x.clone()
+        codes, scales = torch.empty(x.numel(), dtype=torch.int8), torch.empty(groups)
+        op(xi, group, codes, scales)
+        outs.append((xi, codes, scales))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_round_int8_ties_to_even_and_keeps_the_error_worked_by_hand() -> None:
+    # max |x| = 127: the scale is exactly 1, so the codes are x rounded half to even and the error is x - code.
+    x = torch.tensor([127.0, -63.5, 2.5, 0.25, 0.0, -127.0, 1.5, 3.49])
+    for op in (K.round_int8_ref, K.round_int8_triton):
+        xi, codes, scales = x.clone(), torch.empty(8, dtype=torch.int8), torch.empty(1)
+        op(xi, 8, codes, scales)
+        assert codes.tolist() == [127, -64, 2, 0, 0, -127, 2, 3]
+        assert scales.tolist() == [1.0]
+        assert torch.equal(xi, x - codes.float())  # what the codes did not carry
+        assert torch.equal(K.decode_int8(codes, scales) + xi, x)  # no mass lost
+
+
 def test_kernels_reject_shapes_they_would_index_out_of_bounds() -> None:
     mask = torch.zeros(2, 3, dtype=torch.int16)
     with pytest.raises(ValueError, match="out holds"):
@@ -319,6 +350,8 @@ def test_kernels_reject_shapes_they_would_index_out_of_bounds() -> None:
         K.scatter_decay_triton(torch.zeros(15), torch.zeros(6), mask, 8, 1.0)
     with pytest.raises(ValueError, match="power of two"):
         K.chunk_topk_triton(torch.zeros(24), 12, 2, 0, 0)
+    with pytest.raises(ValueError, match="whole number of groups"):
+        K.round_int8_triton(torch.zeros(10), 4, torch.zeros(10, dtype=torch.int8), torch.zeros(2))
 
 
 # ---------------------------------------------------------------- dispatch
@@ -340,6 +373,7 @@ def _all_ops(dtype: torch.dtype) -> None:
     K.sparse_adams(p, m, last, out, mask, C, out.clone(), hyper)
     K.scatter_decay(p, out, mask, C, 0.99)
     K.dense_adams(p, m, g, hyper)
+    K.round_int8(e.clone(), C, torch.empty(n, dtype=torch.int8), torch.empty(rows))
 
 
 def test_cpu_tensors_run_the_refs_unless_triton_is_forced(
@@ -460,8 +494,8 @@ def _train(cfg: ScapeConfig, steps: int) -> tuple[list[torch.Tensor], list[torch
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"sharded": False, "mask_statistic": "gradient", "catch_up_cap": 4.0}],
-    ids=["sharded", "replicated-gradient"],
+    [{}, {"sharded": False, "mask_statistic": "gradient", "catch_up_cap": 4.0}, {"wire_format": "int8"}],
+    ids=["sharded", "replicated-gradient", "int8-wire"],
 )
 def test_engine_on_triton_kernels_matches_engine_on_refs(
     overrides: dict[str, Any], spies: dict[str, int], monkeypatch: pytest.MonkeyPatch

@@ -68,6 +68,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "random statistic": {"mask_statistic": "random"},
     "no warm-up": {"dense_warmup_steps": 0},
     "no warm-up, mask_delay=0": {"dense_warmup_steps": 0, "mask_delay": 0},
+    "int8 wire": {"wire_format": "int8"},
+    "int8 wire, refresh 2, delay 0": {"wire_format": "int8", "mask_refresh_interval": 2, "mask_delay": 0},
 }
 
 

@@ -28,7 +28,7 @@ from benchmarks.network.time_to_loss import (
     summarize_ttl,
     time_to_target,
 )
-from benchmarks.network.worker import TTL_METHODS, ttl_scape_config
+from benchmarks.network.worker import TTL_METHODS, TTL_SCAPE_METHODS, ttl_scape_config
 from lightning_scape import ScapeConfig
 
 REPO = Path(__file__).resolve().parents[1]  # the benchmarks run as modules from here
@@ -151,6 +151,7 @@ def test_scape_methods_take_the_package_defaults() -> None:
     ):
         cfg = ttl_scape_config(name).to_dict()
         assert cfg == {**defaults, "density": density, "mask_statistic": stat}, name
+    assert ttl_scape_config("scape_default_int8_d0.01").to_dict() == {**defaults, "wire_format": "int8"}
     assert ttl_scape_config("scape_default_d0.1", 256, {"dense_warmup_steps": 3}).to_dict() == {
         **defaults,
         "density": 0.1,
@@ -238,7 +239,7 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
     # Same initial weights and batch: the first step's training loss is the same for every method.
     first = {round(p["train_loss"][0], 4) for p in per.values()}
     assert len(first) == 1, first
-    scape = ("scape_default_d0.01", "scape_default_d0.1", "scape_default_gradient_d0.01")
+    scape = TTL_SCAPE_METHODS
     for name, p in per.items():
         budget = 6 if name in scape else 4  # --scape-steps: SCAPE trains longer, each method on its own cosine
         assert p["steps"] == budget and p["total_s"] > 0 and p["sent_bytes_run"] > 0, name

@@ -482,6 +482,7 @@ def scape_config_lines(per: dict[str, dict[str, Any]]) -> list[str]:
 
 HEADLINE_METHODS: tuple[str, ...] = (
     "scape_default_d0.01",
+    "scape_default_int8_d0.01",
     "scape_default_d0.1",
     "scape_default_gradient_d0.01",
     "ddp_powersgd",

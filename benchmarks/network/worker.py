@@ -78,7 +78,12 @@ A2A_METHOD = "scape_sharded_d0.01_a2a"
 # The time-to-loss mode's SCAPE methods: ScapeConfig() with only the density (and the statistic) stated, so
 # that the dense warm-up, density ramp and update rule are whatever the package's defaults are when the run
 # starts (they are recorded with every run). The methods above pin dense_warmup_steps to the harness's warm-up.
-TTL_SCAPE_METHODS: tuple[str, ...] = ("scape_default_d0.01", "scape_default_d0.1", "scape_default_gradient_d0.01")
+TTL_SCAPE_METHODS: tuple[str, ...] = (
+    "scape_default_d0.01",
+    "scape_default_d0.1",
+    "scape_default_gradient_d0.01",
+    "scape_default_int8_d0.01",
+)
 TTL_METHODS: tuple[str, ...] = (*DDP_METHODS, *TTL_SCAPE_METHODS)
 # Models sharded inside each host (WorkerSpec.shard_size ranks, FSDP2) and replicated across hosts: FSDP's native
 # HSDP (dense all-reduce of each shard across hosts) and ScapeFSDPStrategy's wiring (SCAPE across hosts).
@@ -101,6 +106,7 @@ METHOD_LABELS: dict[str, str] = {
     "scape_default_d0.01": "SCAPE defaults (d=0.01)",
     "scape_default_d0.1": "SCAPE defaults, d=0.1",
     "scape_default_gradient_d0.01": "SCAPE defaults, gradient statistic",
+    "scape_default_int8_d0.01": "SCAPE defaults, int8 wire",
     "hsdp_adamw": "native HSDP + AdamW",
     "scape_fsdp_d0.01": "ScapeFSDPStrategy d=0.01",
     "scape_fsdp_default_d0.01": "ScapeFSDPStrategy defaults (d=0.01)",
@@ -406,9 +412,9 @@ class DDPMethod(Method):
 def ttl_scape_config(name: str, chunk_size: int = 0, overrides: dict[str, Any] | None = None) -> ScapeConfig:
     """The configuration of a time-to-loss SCAPE method: the package's defaults, read now.
 
-    Only the density (0.01 or 0.1, from the name) and, for ``scape_default_gradient_d0.01``, the statistic
-    are stated; ``chunk_size`` (0: the default) and ``overrides`` (``--scape-set``, for smoke tests) are
-    applied when given.
+    Only the density (0.01 or 0.1, from the name), the statistic (``scape_default_gradient_d0.01``) and the
+    wire format (``scape_default_int8_d0.01``) are stated; ``chunk_size`` (0: the default) and ``overrides``
+    (``--scape-set``, for smoke tests) are applied when given.
 
     Raises:
         ValueError: ``name`` is not one of :data:`TTL_SCAPE_METHODS`, or an override is not a ScapeConfig field.
@@ -418,6 +424,8 @@ def ttl_scape_config(name: str, chunk_size: int = 0, overrides: dict[str, Any] |
     cfg = ScapeConfig(density=0.1 if name.endswith("d0.1") else 0.01)
     if "gradient" in name:
         cfg = cfg.replace(mask_statistic="gradient")
+    if "int8" in name:
+        cfg = cfg.replace(wire_format="int8")
     if chunk_size:
         cfg = cfg.replace(chunk_size=chunk_size)
     overrides = overrides or {}

@@ -51,6 +51,10 @@ class Communicator(Protocol):
         """``output`` = concatenation over ranks of ``input`` (``len(output) = W len(input)``)."""
         ...
 
+    def all_to_all(self, output: Tensor, input: Tensor) -> Pending:
+        """Slice ``r`` of ``output`` = slice ``rank`` of rank ``r``'s ``input`` (both ``W`` equal slices)."""
+        ...
+
 
 class SoloCommunicator:
     """World size 1: every collective is a local copy and nothing is sent."""
@@ -70,6 +74,12 @@ class SoloCommunicator:
 
     def all_gather(self, output: Tensor, input: Tensor) -> Pending:
         """Copy (the concatenation of one rank)."""
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Done()
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> Pending:
+        """Copy (one rank's one slice)."""
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Done()

@@ -222,6 +222,10 @@ class FaultNamingCommunicator:
         """Async all-gather."""
         return self._track(lambda: self.inner.all_gather(output, input))
 
+    def all_to_all(self, output: Tensor, input: Tensor) -> Pending:
+        """Async all-to-all."""
+        return self._track(lambda: self.inner.all_to_all(output, input))
+
 
 def stop_heartbeat() -> None:
     """Stop this process's heartbeat thread (the end of a run: the strategies' teardown); a later

@@ -86,16 +86,26 @@ class ProcessGroupCommunicator:
         name = f"reduce_scatter({input.numel()} x {input.dtype})"
         if self._gloo:
             received = torch.empty_like(input)
-            sent, got = input.view(self.world_size, -1), received.view(self.world_size, -1)
-            works = [
-                dist.all_to_all(
-                    list(got[:, cols].unbind()), list(sent[:, cols].unbind()), group=self.group, async_op=True
-                )
-                for cols in _gloo_slices(sent)
-            ]
+            works = self._gloo_all_to_all(received, input)
             return _SumOnWait(self._wrap(works, name), received, output, self.world_size)
         w = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return self._wrap(w, name)
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> Pending:
+        """Async all-to-all of equal slices."""
+        name = f"all_to_all({input.numel()} x {input.dtype})"
+        if self._gloo:
+            return self._wrap(self._gloo_all_to_all(output, input), name)
+        w = dist.all_to_all_single(_wire(output), _wire(input), group=self.group, async_op=True)
+        return self._wrap(w, name)
+
+    def _gloo_all_to_all(self, output: Tensor, input: Tensor) -> list[dist.Work | None]:
+        """gloo's all-to-all in slices of at most :data:`GLOO_SLICE_BYTES` per peer, all launched at once."""
+        sent, got = _wire(input).view(self.world_size, -1), _wire(output).view(self.world_size, -1)
+        return [
+            dist.all_to_all(list(got[:, cols].unbind()), list(sent[:, cols].unbind()), group=self.group, async_op=True)
+            for cols in _gloo_slices(sent)
+        ]
 
     def all_gather(self, output: Tensor, input: Tensor) -> Pending:
         """Async all-gather; int16 travels as bytes (gloo has no int16)."""

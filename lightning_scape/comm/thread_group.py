@@ -134,3 +134,14 @@ class ThreadGroupCommunicator:
             output.copy_(torch.cat(self._rv.collect(self.rank, seq)))
 
         return _SimPending(finish)
+
+    def all_to_all(self, output: Tensor, input: Tensor) -> Pending:
+        """Every rank's slice ``rank``, in rank order."""
+        seq = self._rv.contribute(self.rank, f"all_to_all[{input.numel()}]", input)
+        n = output.numel() // self.world_size
+
+        def finish() -> None:
+            parts = self._rv.collect(self.rank, seq)
+            output.copy_(torch.cat([p[self.rank * n : (self.rank + 1) * n] for p in parts]))
+
+        return _SimPending(finish)

@@ -24,6 +24,11 @@ def compact(bucket: BucketState, mask: Tensor) -> None:
     kernels.ef_compact(bucket.residual, bucket.grads, mask, bucket.layout.chunk_size, bucket.values)
 
 
+def keep_rounding_error(bucket: BucketState, mask: Tensor) -> None:
+    """The int8 wire: ``values`` now holds what the int8 codes did not carry; the residual takes it back."""
+    bucket.residual.index_add_(0, kernels.mask_positions(mask, bucket.layout.chunk_size), bucket.values)
+
+
 def stage(bucket: BucketState, mask: Tensor) -> None:
     """Fill ``values`` with ``(e + g)[mask]`` and leave the residual untouched (the same values as :func:`compact`)."""
     pos = kernels.mask_positions(mask, bucket.layout.chunk_size)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_scape.comm import ByteCounters, Communicator, SoloCommunicator, Wire
+from lightning_scape.comm import ByteCounters, Communicator, Pending, SoloCommunicator, Wire
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import feedback, joining, state, update
 from lightning_scape.engine.buckets import BucketState
@@ -90,13 +90,7 @@ class ScapeEngine:
         self.world_size = self.comm.world_size
         self.loss_scale = loss_scale
         self.skip_nonfinite = skip_nonfinite
-        for g in optimizer.param_groups:
-            missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in g]
-            if missing:
-                raise ValueError(
-                    f"ScapeEngine needs AdamS-style param groups; this one lacks {missing}. "
-                    "Build the optimizer as lightning_scape.AdamS(params, ...)."
-                )
+        _check_inputs(optimizer, cfg, skip_nonfinite)
         self.param_order = param_order
         self.buckets: list[BucketState] = []  # none while every parameter is frozen (add_trainable_params)
         self._hooks: list[Any] = []
@@ -195,10 +189,9 @@ class ScapeEngine:
         update.clip_(synced, self._clip_coef(step, max_grad_norm), clip_value)
         # 4. AdamS on this rank's region; sharded: launch each bucket's parameter all-gather at once.
         hypers = self._hypers(step.step, sparse=False)
-        gathers = []
+        gathers: list[Pending | None] = []
         for bs, g in zip(self.buckets, synced, strict=True):
-            update.dense_update(bs, g, hypers[bs.layout.group_index])
-            gathers.append(update.launch_param_gather(bs, self.wire, dense=True))
+            gathers.append(update.dense_update(bs, g, hypers[bs.layout.group_index], self.wire))
         # 5. Wait for the gathers in order.
         for pending in gathers:
             if pending is not None:
@@ -225,10 +218,9 @@ class ScapeEngine:
         update.clip_(synced, self._clip_coef(step, max_grad_norm), clip_value)
         # 4. The interval AdamS update at the masked slots; sharded: launch each bucket's parameter gather.
         hypers = self._hypers(step.step, sparse=True)
-        gathers = []
+        gathers: list[Pending | None] = []
         for bs, mask, g in zip(self.buckets, masks, synced, strict=True):
-            update.sparse_update(bs, mask, g, hypers[bs.layout.group_index])
-            gathers.append(update.launch_param_gather(bs, self.wire, dense=False))
+            gathers.append(update.sparse_update(bs, mask, g, hypers[bs.layout.group_index], self.wire))
         # 5. Build the next masks (and launch their index all-gathers) while the parameter gathers are in flight.
         self.masks.after_sparse_step(step.step)
         # 6. Wait for the gathers in order, and write the new values at the mask.
@@ -390,3 +382,20 @@ class ScapeEngine:
             bs.dense_shard = None
             bs.last_sent.fill_(t)
         self.masks.begin()
+
+
+def _check_inputs(optimizer: Optimizer, config: ScapeConfig, skip_nonfinite: bool) -> None:
+    """Refuse what the engine cannot run, before anything is built."""
+    for g in optimizer.param_groups:
+        missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in g]
+        if missing:
+            raise ValueError(
+                f"ScapeEngine needs AdamS-style param groups; this one lacks {missing}. "
+                "Build the optimizer as lightning_scape.AdamS(params, ...)."
+            )
+    if skip_nonfinite and config.wire_format == "int8":
+        raise ValueError(
+            "SCAPE: wire_format='int8' does not combine with fp16 loss scaling (a skipped step would have to take "
+            "back the int8 rounding already kept in the residual); train in bf16 ('bf16-mixed') or fp32, or keep "
+            "wire_format='full' for fp16."
+        )

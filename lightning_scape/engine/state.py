@@ -365,7 +365,9 @@ def config_changes(config: ScapeConfig, saved: Mapping[str, Any]) -> dict[str, t
     ``collective_timeout_s`` and ``resume_with_new_config`` are left out: they never keep a state from loading.
     """
     mine = config.to_dict()
-    return {k: (saved.get(k), v) for k, v in mine.items() if k not in _RESUMABLE_CHANGES and saved.get(k) != v}
+    # A field added since the state was saved was at its default then.
+    before = {**ScapeConfig().to_dict(), **saved}
+    return {k: (before[k], v) for k, v in mine.items() if k not in _RESUMABLE_CHANGES and before[k] != v}
 
 
 def check_config(config: ScapeConfig, saved: Mapping[str, Any]) -> None:

@@ -112,7 +112,7 @@ class StepInFlight:
         self.launch_in_order(all_buckets=True)
         synced = self.synced_grads()
         for i, (bs, g) in enumerate(zip(self.buckets, synced, strict=True)):
-            if not self.dense and not self.skip_nonfinite:
+            if self.residual_took_grads:
                 self.carry[i] = g.clone()  # synced_grads added the carry of earlier rounds already
                 bs.residual.sub_(bs.grads)
             if self.loss_scale is not None and self.loss_scale != 1.0:
@@ -123,6 +123,12 @@ class StepInFlight:
         self.next_launch = 0
         self._synced = self._squared_norm = None
         self.rounds += 1
+
+    @property
+    def residual_took_grads(self) -> bool:
+        """Whether a launch put the gradient into the residual (``e' = e + g - v``): sparse steps, and the int8
+        wire's dense steps, unless the step may still be skipped (then the residual waits, :func:`feedback.stage`)."""
+        return (not self.dense or self.config.wire_format == "int8") and not self.skip_nonfinite
 
     def close(self) -> None:
         """The step is over: a dense step gives back what :meth:`~BucketState.dense_synced` borrowed."""
@@ -149,6 +155,10 @@ class StepInFlight:
 
     def _launch_dense(self, bs: BucketState) -> Pending:
         """The whole gradient, summed into :meth:`~BucketState.dense_synced` (never into ``grads`` itself)."""
+        if self.config.wire_format == "int8":
+            # Error feedback on every coordinate: the residual takes e + g, then keeps what int8 did not carry.
+            bs.residual.add_(bs.grads)
+            return self.wire.reduce_scatter_int8("dense", bs.dense_synced(), bs.residual, bs.dense_int8_group)
         if self.config.sharded:
             return self.wire.reduce_scatter_sum("dense", bs.dense_synced(), bs.grads)
         total = bs.dense_synced()
@@ -164,6 +174,10 @@ class StepInFlight:
             feedback.stage(bs, mask)  # the residual takes the gradient once every rank agreed on the step
         else:
             feedback.compact(bs, mask)
+        if self.config.wire_format == "int8":
+            pending = self.wire.reduce_scatter_int8("values", bs.sparse_synced(), bs.values, bs.k)
+            feedback.keep_rounding_error(bs, mask)
+            return pending
         if self.config.sharded:
             return self.wire.reduce_scatter_sum("values", bs.sparse_synced(), bs.values)
         return self.wire.all_reduce_sum("values", bs.values)

@@ -57,13 +57,18 @@ def clip_(synced: list[Tensor], coef: Tensor | None, clip_value: float | None) -
             g.clamp_(-clip_value, clip_value)
 
 
-def dense_update(bucket: BucketState, grad: Tensor, hyper: AdamSHyper) -> None:
-    """A warm-up step: AdamS on the region's parameters, in place, from the averaged gradient ``grad``."""
+def dense_update(bucket: BucketState, grad: Tensor, hyper: AdamSHyper, wire: Wire) -> Pending | None:
+    """A dense step: AdamS on the region's parameters from the averaged gradient ``grad``; sharded mode launches
+    the all-gather that brings every owner's new values to every rank (:func:`launch_param_gather`)."""
+    if bucket.int8_wire:
+        return _dense_update_int8(bucket, grad, hyper, wire)
     kernels.dense_adams(bucket.region_params, bucket.momentum, grad, hyper)
+    return launch_param_gather(bucket, wire, dense=True)
 
 
-def sparse_update(bucket: BucketState, mask: Tensor, averaged: Tensor, hyper: AdamSHyper) -> None:
-    """A sparse step: the interval update of the region's masked slots, into ``bucket.updated``.
+def sparse_update(bucket: BucketState, mask: Tensor, averaged: Tensor, hyper: AdamSHyper, wire: Wire) -> Pending | None:
+    """A sparse step: the interval update of the region's masked slots, into ``bucket.updated``; sharded mode
+    launches the all-gather of every owner's new values.
 
     The parameters themselves are written by :func:`apply_sparse`, on every rank.
 
@@ -72,18 +77,21 @@ def sparse_update(bucket: BucketState, mask: Tensor, averaged: Tensor, hyper: Ad
         mask: The whole bucket's mask of this step, ``[chunks, k]`` int16.
         averaged: ``[region_slots]`` averaged values of the region's slots, in mask order.
         hyper: The step's hyperparameters (:func:`step_hyper` with a peak learning rate).
+        wire: The group's collectives.
     """
-    rows = bucket.region_rows(mask)
     kernels.sparse_adams(
         bucket.region_params,
         bucket.momentum,
         bucket.last_sent,
         averaged,
-        rows,
+        bucket.region_rows(mask),
         bucket.layout.chunk_size,
         bucket.updated,
         hyper,
     )
+    if bucket.int8_wire:
+        return _launch_change_gather_int8(bucket, mask, hyper.decay, wire)
+    return launch_param_gather(bucket, wire, dense=False)
 
 
 def launch_param_gather(bucket: BucketState, wire: Wire, dense: bool) -> Pending | None:
@@ -100,6 +108,34 @@ def launch_param_gather(bucket: BucketState, wire: Wire, dense: bool) -> Pending
         return wire.all_gather("dense", bucket.params, send)
     assert bucket.gathered is not None
     return wire.all_gather("params", bucket.gathered, bucket.updated)
+
+
+def _dense_update_int8(bucket: BucketState, grad: Tensor, hyper: AdamSHyper, wire: Wire) -> Pending:
+    """The int8 wire's dense step: the owner computes the new values aside and sends their change from the values
+    every rank holds; every rank, the owner too, adds the decoded changes when the gather completes, so the
+    replicas stay bitwise equal."""
+    region = bucket.region_params
+    new = region.clone()
+    kernels.dense_adams(new, bucket.momentum, grad, hyper)
+    change = grad  # the synced gradient is consumed: its buffer takes the change (then its rounding error)
+    change.copy_(new).sub_(region)
+    return wire.all_gather_int8("dense", bucket.params, change, bucket.dense_int8_group)
+
+
+def _launch_change_gather_int8(bucket: BucketState, mask: Tensor, decay: float, wire: Wire) -> Pending:
+    """The int8 wire's sparse step: the owners' new values at the mask, sent as int8 changes.
+
+    Every rank starts ``gathered`` at what it holds at the mask after the weight decay, ``decay * params``, and
+    adds every owner's decoded change to it; :func:`apply_sparse` then writes it. The owner sends the change from
+    that same value, so the replicas stay bitwise equal.
+    """
+    C = bucket.layout.chunk_size
+    assert bucket.gathered is not None
+    decayed = bucket.params.index_select(0, kernels.mask_positions(mask, C)).mul_(decay)
+    bucket.gathered.copy_(decayed)
+    region = slice(bucket.region.start // C * bucket.k, bucket.region.stop // C * bucket.k)
+    change = bucket.updated.sub_(decayed[region])
+    return wire.all_gather_int8("params", bucket.gathered, change, bucket.k)
 
 
 def apply_sparse(bucket: BucketState, mask: Tensor, decay: float) -> None:

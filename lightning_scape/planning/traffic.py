@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from lightning_scape.config import ScapeConfig
+from lightning_scape.comm.int8_packets import packet_bytes
+from lightning_scape.config import INT8_DENSE_GROUP, ScapeConfig
 from lightning_scape.engine.layout import Bucket, build_buckets
 from lightning_scape.planning.network import Collective, CollectiveKind
 
@@ -61,6 +62,11 @@ class StepTraffic:
         for c in self.collectives:
             out[c.traffic] = out.get(c.traffic, 0) + c.bytes_sent(world_size)
         return out
+
+
+def int8_packets(slices: int, numel: int, group: int) -> tuple[int, int]:
+    """``slices`` int8 packets of ``numel`` values in groups of ``group``, as (elements, bytes per element)."""
+    return slices * packet_bytes(numel, group), 1
 
 
 def parameter_groups(
@@ -195,8 +201,13 @@ class ScapeTraffic:
             nxt = self._indices(t + 1)
         if not cfg.sharded:
             return StepTraffic(backward=self._each("all_reduce", "dense", lambda p, c, n, b: (p, b)), next_forward=nxt)
-        grads = self._each("reduce_scatter", "dense", lambda p, c, n, b: (p, b))
-        params = self._each("all_gather", "dense", lambda p, c, n, b: (n * c, b))
+        if cfg.wire_format == "int8":
+            g = lambda c: min(INT8_DENSE_GROUP, c)  # noqa: E731
+            grads = self._each("reduce_scatter", "dense", lambda p, c, n, b: int8_packets(p // (n * c), n * c, g(c)))
+            params = self._each("all_gather", "dense", lambda p, c, n, b: int8_packets(1, n * c, g(c)))
+        else:
+            grads = self._each("reduce_scatter", "dense", lambda p, c, n, b: (p, b))
+            params = self._each("all_gather", "dense", lambda p, c, n, b: (n * c, b))
         return StepTraffic(backward=grads, after=self._scalars() + params, next_forward=nxt)
 
     def _sparse_step(self, t: int, queue: deque[int], last_built: list[int | None]) -> StepTraffic:
@@ -212,7 +223,14 @@ class ScapeTraffic:
         else:
             in_use = queue[0]
         slots = cfg.slots_at
-        if cfg.sharded:
+        if cfg.wire_format == "int8":
+            k = lambda c: slots(in_use, c)  # noqa: E731
+            backward = self._each(
+                "reduce_scatter", "values", lambda p, c, n, b: int8_packets(p // (n * c), n * k(c), k(c))
+            )
+            gather = self._each("all_gather", "params", lambda p, c, n, b: int8_packets(1, n * k(c), k(c)))
+            after += self._scalars() + gather
+        elif cfg.sharded:
             backward = self._each("reduce_scatter", "values", lambda p, c, n, b: (p // c * slots(in_use, c), b))
             gather = self._each("all_gather", "params", lambda p, c, n, b: (n * slots(in_use, c), b))
             after += self._scalars() + gather
