@@ -12,6 +12,7 @@ runs side by side slow each other down):
     python benchmarks/quality.py --table density       # density 0.02, 0.04, 0.1: 1000 steps
     python benchmarks/quality.py --table scale         # a 5.7x larger model, a 4x larger batch: 1000 steps
     python benchmarks/quality.py --table sparse_lr     # the sparse steps' learning rate x1.5, x2: 1000 steps
+    python benchmarks/quality.py --table wire          # the int8 wire against fp32: 1000 steps, 2 corpora, 2 seeds
 
 or any set of runs: ``--configs dense,default --corpora stdlib --steps 300 --seeds 0``.
 
@@ -100,6 +101,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "d0.04": {"density": 0.04},
     "d0.1": {"density": 0.1},
     "replicated": {"sharded": False},
+    # The int8 wire: at the defaults, and at the density whose sparse steps send what fp32 sends at d = 0.01.
+    "int8": {"wire_format": "int8"},
+    "int8_d0.025": {"wire_format": "int8", "density": 0.025},
     # The learning rate of the sparse steps (the package has no such option; the benchmark scales the cosine).
     "sparse_lr1.5": _W100_R200,
     "sparse_lr2": _W100_R200,
@@ -122,6 +126,10 @@ TABLES: dict[str, list[tuple[list[str], list[str], int, list[int], str, int]]] =
     "sparse_lr": [([DENSE, "w100_r200", "sparse_lr1.5", "sparse_lr2"], *_STD)],
     "mask": [([DENSE, "default", "gradient_stat", "random_stat", "explore0", "explore0.3", "replicated"], *_STD)],
     "density": [([DENSE, "default", "d0.02", "d0.04", "d0.1"], *_STD)],
+    "wire": [
+        ([DENSE, "default", "int8"], ["stdlib", "prose"], 1000, [0, 1], "small", 16),
+        (["int8_d0.025"], ["stdlib"], 1000, [0], "small", 16),
+    ],
     "scale": [
         ([DENSE, "default"], ["stdlib"], 1000, [0], "base", 16),
         ([DENSE, "default"], ["stdlib"], 1000, [0], "small", 64),

@@ -42,6 +42,7 @@ def _counted(cfg: ScapeConfig, steps: int) -> tuple[list[Any], float, int]:
         {"sharded": False, "mask_statistic": "gradient"},
         {"density_ramp_shape": "linear", "mask_delay": 0},
         {"density_ramp_steps": 0},
+        {"wire_format": "int8"},
     ],
 )
 @pytest.mark.parametrize("steps", [3, 9, 40])

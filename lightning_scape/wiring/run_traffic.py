@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from lightning_scape.comm.int8_packets import packet_bytes
 from lightning_scape.comm.wire import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
-from lightning_scape.config import ScapeConfig
+from lightning_scape.config import INT8_DENSE_GROUP, ScapeConfig
 from lightning_scape.engine.layout import Bucket
 
 _INDEX_BYTES = 2  # int16 chunk-local indices
@@ -27,7 +28,9 @@ def dense_step_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size:
     total = 0
     for b in buckets:
         size = b.dtype.itemsize
-        if config.sharded:
+        if config.wire_format == "int8":
+            total += _int8_pair_bytes(b.padded_numel // world_size, min(INT8_DENSE_GROUP, b.chunk_size), world_size)
+        elif config.sharded:
             total += reduce_scatter_bytes(b.padded_numel, size, world_size)
             total += all_gather_bytes(b.padded_numel // world_size, size, world_size)
         else:
@@ -39,14 +42,23 @@ def sparse_step_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size
     """A sparse step (1-based ``step``): the values at its mask and (sharded) the updated parameters."""
     total = 0
     for b in buckets:
-        slots = b.chunks * config.slots_at(step, b.chunk_size)
+        k = config.slots_at(step, b.chunk_size)
+        slots = b.chunks * k
         size = b.dtype.itemsize
-        if config.sharded:
+        if config.wire_format == "int8":
+            total += _int8_pair_bytes(slots // world_size, k, world_size)
+        elif config.sharded:
             total += reduce_scatter_bytes(slots, size, world_size)
             total += all_gather_bytes(slots // world_size, size, world_size)
         else:
             total += all_reduce_bytes(slots, size, world_size)
     return total
+
+
+def _int8_pair_bytes(per_rank: int, group: int, world_size: int) -> int:
+    """The int8 wire's reduce-scatter and all-gather of ``per_rank`` values per rank: a packet to each other rank,
+    twice (``comm/int8_packets.py``)."""
+    return 2 * (world_size - 1) * packet_bytes(per_rank, group)
 
 
 def mask_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size: int, step: int) -> int:
