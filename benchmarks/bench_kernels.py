@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 import lightning_scape.kernels as K
+from lightning_scape.config import INT8_DENSE_GROUP
 
 # Peak DRAM bandwidth in GB/s (1e9 B/s) by a substring of torch.cuda.get_device_name(); the longest
 # matching substring wins (so "GH200" beats "H200"). Vendor datasheet figures.
@@ -58,11 +59,15 @@ PEAK_GBPS: dict[str, float] = {
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-OPS = ("ef_compact", "sparse_adams", "select_mask", "chunk_topk", "scatter_decay", "dense_adams")
+OPS = ("ef_compact", "sparse_adams", "select_mask", "chunk_topk", "scatter_decay", "dense_adams", "round_int8")
 # The tensors of a Problem, and the ops whose kernel must equal the ref bit for bit (the others are
 # AdamS arithmetic: equal up to the last bits).
-STATE = ("params", "grads", "residual", "momentum", "last_sent", "values", "new_values", "mask", "topk")
-EXACT_OPS = ("ef_compact", "select_mask", "chunk_topk", "scatter_decay")
+STATE = (
+    *("params", "grads", "residual", "momentum", "last_sent", "values", "new_values", "mask", "topk"),
+    *("codes", "scales"),
+)
+EXACT_OPS = ("ef_compact", "select_mask", "chunk_topk", "scatter_decay", "round_int8")
+INT8_GROUP = INT8_DENSE_GROUP  # a dense step's coordinates per scale in the int8 wire
 
 
 @dataclass
@@ -142,6 +147,8 @@ class Problem:
         self.new_values = torch.zeros(self.S, dtype=dtype, device=device)
         self.mask = K.select_mask(self.momentum, self.residual, 0.9, "momentum", C, self.k, self.ke, 0)
         self.topk = self.mask
+        self.codes = torch.zeros(self.N, dtype=torch.int8, device=device)
+        self.scales = torch.zeros(self.N // INT8_GROUP if self.N % INT8_GROUP == 0 else 0, device=device)
         self.step_no = 10
 
     def clone(self) -> Problem:
@@ -185,6 +192,11 @@ class Problem:
             K.AdamSHyper(step=self.step_no, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1),
         )
 
+    def round_int8(self) -> None:
+        """The int8 wire's rounding of a dense step's values (the residual stands in for ``e + g``)."""
+        if self.scales.numel():
+            K.round_int8(self.residual, INT8_GROUP, self.codes, self.scales)
+
     def sparse_step(self) -> None:
         """One sparse SCAPE step at W = 1: send, update the slots, next mask, decay + scatter."""
         self.ef_compact()
@@ -210,6 +222,8 @@ class Problem:
             "scatter_decay": N * 2 * bp + S * (2 + bp + bp),
             # read theta, g, m; write theta, m
             "dense_adams": N * (2 * bp + bp + 2 * bs),
+            # read and write x (its rounding error); write the codes and one scale per group
+            "round_int8": N * (2 * bs + 1) + 4 * N // INT8_GROUP,
             # read theta, g, exp_avg, exp_avg_sq; write theta, exp_avg, exp_avg_sq (state in param dtype)
             "adamw_fused": N * (2 * bp + bp + 4 * bp),
         }

@@ -126,10 +126,7 @@ TABLES: dict[str, list[tuple[list[str], list[str], int, list[int], str, int]]] =
     "sparse_lr": [([DENSE, "w100_r200", "sparse_lr1.5", "sparse_lr2"], *_STD)],
     "mask": [([DENSE, "default", "gradient_stat", "random_stat", "explore0", "explore0.3", "replicated"], *_STD)],
     "density": [([DENSE, "default", "d0.02", "d0.04", "d0.1"], *_STD)],
-    "wire": [
-        ([DENSE, "default", "int8"], ["stdlib", "prose"], 1000, [0, 1], "small", 16),
-        (["int8_d0.025"], ["stdlib"], 1000, [0], "small", 16),
-    ],
+    "wire": [([DENSE, "default", "int8", "int8_d0.025"], ["stdlib", "prose"], 1000, [0, 1], "small", 16)],
     "scale": [
         ([DENSE, "default"], ["stdlib"], 1000, [0], "base", 16),
         ([DENSE, "default"], ["stdlib"], 1000, [0], "small", 64),

@@ -152,6 +152,8 @@ def test_scape_methods_take_the_package_defaults() -> None:
         cfg = ttl_scape_config(name).to_dict()
         assert cfg == {**defaults, "density": density, "mask_statistic": stat}, name
     assert ttl_scape_config("scape_default_int8_d0.01").to_dict() == {**defaults, "wire_format": "int8"}
+    int8 = {**defaults, "wire_format": "int8", "density": 0.025}
+    assert ttl_scape_config("scape_default_int8_d0.025").to_dict() == int8
     assert ttl_scape_config("scape_default_d0.1", 256, {"dense_warmup_steps": 3}).to_dict() == {
         **defaults,
         "density": 0.1,

@@ -432,8 +432,33 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
             f"| {_mb(p['sent_bytes_run'])} / {_mb(p['tx_bytes_run'])} "
             f"| {fmt(p['step_ms_median'], '.0f')} / {fmt(p['step_ms_median_second_half'], '.0f')} |"
         )
+    md += [
+        "",
+        "Seconds per step by phase, up to L* (the whole run where L* was not reached): SCAPE's dense steps (the "
+        "warm-up and the ramp's steps denser than 1/4) and the steps after them; every step of the DDP methods is "
+        "dense. Median ms per step, and seconds in all:",
+        "",
+        "| method | dense steps | ms/step | s | later steps | ms/step | s |",
+        "|---|---|---|---|---|---|---|",
+        *(phase_row(p) for p in per.values()),
+    ]
     md += ["", sizing_line(prof), "", *scape_config_lines(per), ""]
     return md
+
+
+def phase_row(p: dict[str, Any]) -> str:
+    """One method's steps up to L*, split into the dense steps and the ones after them."""
+    cum = p["cum_time_s"]
+    reached = p["to_1.00_steps"]
+    end = int(reached) if math.isfinite(reached) else len(cum)
+    cfg = p.get("config")
+    dense = min(end, ScapeConfig(**cfg).dense_steps) if cfg else end
+    times = [b - a for a, b in zip([0.0, *cum[: end - 1]], cum[:end], strict=True)]
+    cells = [p["label"]]
+    for part in (times[:dense], times[dense:]):
+        med = f"{1000 * statistics.median(part):.0f}" if part else "-"
+        cells += [str(len(part)), med, f"{sum(part):.1f}" if part else "-"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def _budget(facts: dict[str, Any], short: bool = False) -> str:
@@ -466,7 +491,7 @@ def scape_config_lines(per: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     fields = (
         *("density", "dense_warmup_steps", "density_ramp_steps", "density_ramp_shape", "mask_statistic"),
-        *("catch_up_cap", "exploration", "chunk_size", "sharded"),
+        *("catch_up_cap", "exploration", "chunk_size", "sharded", "wire_format"),
     )
     for p in per.values():
         cfg = p.get("config")
@@ -483,6 +508,7 @@ def scape_config_lines(per: dict[str, dict[str, Any]]) -> list[str]:
 HEADLINE_METHODS: tuple[str, ...] = (
     "scape_default_d0.01",
     "scape_default_int8_d0.01",
+    "scape_default_int8_d0.025",
     "scape_default_d0.1",
     "scape_default_gradient_d0.01",
     "ddp_powersgd",

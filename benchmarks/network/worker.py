@@ -83,6 +83,7 @@ TTL_SCAPE_METHODS: tuple[str, ...] = (
     "scape_default_d0.1",
     "scape_default_gradient_d0.01",
     "scape_default_int8_d0.01",
+    "scape_default_int8_d0.025",
 )
 TTL_METHODS: tuple[str, ...] = (*DDP_METHODS, *TTL_SCAPE_METHODS)
 # Models sharded inside each host (WorkerSpec.shard_size ranks, FSDP2) and replicated across hosts: FSDP's native
@@ -107,6 +108,7 @@ METHOD_LABELS: dict[str, str] = {
     "scape_default_d0.1": "SCAPE defaults, d=0.1",
     "scape_default_gradient_d0.01": "SCAPE defaults, gradient statistic",
     "scape_default_int8_d0.01": "SCAPE defaults, int8 wire",
+    "scape_default_int8_d0.025": "SCAPE defaults, int8 wire, d=0.025",
     "hsdp_adamw": "native HSDP + AdamW",
     "scape_fsdp_d0.01": "ScapeFSDPStrategy d=0.01",
     "scape_fsdp_default_d0.01": "ScapeFSDPStrategy defaults (d=0.01)",
@@ -412,7 +414,7 @@ class DDPMethod(Method):
 def ttl_scape_config(name: str, chunk_size: int = 0, overrides: dict[str, Any] | None = None) -> ScapeConfig:
     """The configuration of a time-to-loss SCAPE method: the package's defaults, read now.
 
-    Only the density (0.01 or 0.1, from the name), the statistic (``scape_default_gradient_d0.01``) and the
+    Only the density (from the name's ``_d`` suffix), the statistic (``scape_default_gradient_d0.01``) and the
     wire format (``scape_default_int8_d0.01``) are stated; ``chunk_size`` (0: the default) and ``overrides``
     (``--scape-set``, for smoke tests) are applied when given.
 
@@ -421,7 +423,7 @@ def ttl_scape_config(name: str, chunk_size: int = 0, overrides: dict[str, Any] |
     """
     if name not in TTL_SCAPE_METHODS:
         raise ValueError(f"{name!r} is not a time-to-loss SCAPE method; choose one of {TTL_SCAPE_METHODS}.")
-    cfg = ScapeConfig(density=0.1 if name.endswith("d0.1") else 0.01)
+    cfg = ScapeConfig(density=float(name.rsplit("_d", 1)[1]))
     if "gradient" in name:
         cfg = cfg.replace(mask_statistic="gradient")
     if "int8" in name:
