@@ -30,7 +30,8 @@ def round_int8_ref(x: Tensor, group: int, codes: Tensor, scales: Tensor) -> None
     rows = x.view(-1, group)
     # The scale is fp32 (what travels), and the error is taken against the fp32 q * s every receiver decodes, so
     # an fp64 x keeps its exact rounding error too.
-    s = rows.abs().amax(dim=1).float().div_(INT8_MAX)
+    amax = rows.abs().amax(dim=1).float()
+    s = amax / torch.full_like(amax, INT8_MAX)  # a tensor divisor: CUDA divides by a scalar as a reciprocal multiply
     q = rows.float().div(torch.where(s > 0, s, 1.0).unsqueeze(1)).round_().clamp_(-INT8_MAX, INT8_MAX)
     rows.sub_(q * s.unsqueeze(1))
     codes.copy_(q.view(-1))

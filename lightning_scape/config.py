@@ -17,10 +17,17 @@ WireFormat = Literal["full", "int8"]
 MASK_STATISTICS: tuple[str, ...] = ("momentum", "gradient", "random")
 RAMP_SHAPES: tuple[str, ...] = ("geometric", "linear")
 WIRE_FORMATS: tuple[str, ...] = ("full", "int8")
-# A dense step's values and parameter updates in the int8 wire format get one scale per this many coordinates
-# (or per chunk, in a chunk smaller than this): a dense gradient varies more along a bucket than within a chunk
-# row's few sparse values, which share one scale.
+# A dense step's values and parameter updates in the int8 wire format get one scale per this many coordinates: a
+# dense gradient varies more along a bucket than within a chunk row's few sparse values, which share one scale.
 INT8_DENSE_GROUP = 256
+
+
+def int8_dense_group(shard_numel: int) -> int:
+    """Coordinates per scale in a dense step of the int8 wire: :data:`INT8_DENSE_GROUP`, or in a tiny bucket whose
+    chunks are sized to it (not a power of two), the largest power of two that divides its shard."""
+    return math.gcd(INT8_DENSE_GROUP, shard_numel)
+
+
 # A ramp step denser than this is sent dense. A sparse step sends an index beside every value and parameter,
 # so the denser it is, the less it saves against dense, until it sends more (docs/algorithm.md section 5 has the
 # bytes); and the compact buffers, sized for the densest sparse step, stay this fraction of the gradient.

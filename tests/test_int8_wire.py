@@ -12,6 +12,7 @@ from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import ByteCounters, Communicator, Wire
 from lightning_scape.comm.int8_packets import packet_bytes
 from lightning_scape.engine.step import StepInFlight
+from lightning_scape.planning.traffic import ScapeTraffic
 
 INT8 = {"density": 0.1, "chunk_size": 64, "dense_warmup_steps": 3, "density_ramp_steps": 4, "wire_format": "int8"}
 
@@ -75,6 +76,32 @@ def test_replicas_stay_bitwise_equal_and_each_step_sends_its_packets(world_size:
         sparse += 2 * (W - 1) * packet_bytes(slots, k(C)) + (W - 1) * slots * 2  # and the int16 indices
     assert [sum(s.values()) for s in out[0]["sent"][:3]] == [dense] * 3
     assert [sum(s.values()) for s in out[0]["sent"][-3:]] == [sparse] * 3
+
+
+def test_a_tiny_bucket_with_chunks_sized_to_it() -> None:
+    """A bucket too small for its chunk size gets chunks of ceil(numel / W), not a power of two: its dense steps
+    take the largest power-of-two group that divides the shard, and the planner counts the same packets."""
+
+    def worker(rank: int, comm: Communicator) -> tuple[torch.Tensor, list[dict[Any, int]], list[Any]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+        cfg = ScapeConfig(**{**INT8, "chunk_size": 1024})
+        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, comm, param_order=list(model.parameters()))
+        gen = torch.Generator().manual_seed(rank)
+        sent = []
+        for _ in range(10):
+            model(torch.randn(8, 64, generator=gen)).square().mean().backward()
+            engine.step(max_grad_norm=1.0)
+            engine.zero_grad()
+            sent.append({k: v for k, v in engine.counters.step_sent.items() if v})
+        layouts = [bs.layout for bs in engine.buckets]
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), sent, layouts
+
+    (a, sent, layouts), (b, _, _) = simulate(2, worker)
+    assert torch.equal(a, b)
+    assert any(lay.chunk_size & (lay.chunk_size - 1) for lay in layouts)  # a chunk size that is not a power of two
+    planned = ScapeTraffic(layouts, ScapeConfig(**{**INT8, "chunk_size": 1024})).steps(10)
+    assert [{k: v for k, v in s.by_traffic(2).items() if v} for s in planned] == sent
 
 
 def test_the_dense_steps_stay_close_to_data_parallel_adams() -> None:

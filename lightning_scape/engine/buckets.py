@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_scape.adams import state_dtype_for
-from lightning_scape.config import INT8_DENSE_GROUP, ScapeConfig
+from lightning_scape.config import ScapeConfig, int8_dense_group
 from lightning_scape.engine.layout import Bucket
 
 
@@ -60,7 +60,7 @@ class BucketState:
         self._gathered = torch.zeros(layout.chunks * cap, dtype=dt, device=dev) if self.sharded else None
         self.dense_shard: Tensor | None = None
         self.int8_wire = config.wire_format == "int8"
-        self.dense_int8_group = min(INT8_DENSE_GROUP, layout.chunk_size)  # int8 wire: coordinates per scale
+        self.dense_int8_group = int8_dense_group(layout.shard_numel)  # int8 wire: coordinates per scale
 
     @property
     def slots(self) -> int:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lightning_scape.comm.int8_packets import packet_bytes
-from lightning_scape.config import INT8_DENSE_GROUP, ScapeConfig
+from lightning_scape.config import ScapeConfig, int8_dense_group
 from lightning_scape.engine.layout import Bucket, build_buckets
 from lightning_scape.planning.network import Collective, CollectiveKind
 
@@ -202,9 +202,15 @@ class ScapeTraffic:
         if not cfg.sharded:
             return StepTraffic(backward=self._each("all_reduce", "dense", lambda p, c, n, b: (p, b)), next_forward=nxt)
         if cfg.wire_format == "int8":
-            g = lambda c: min(INT8_DENSE_GROUP, c)  # noqa: E731
-            grads = self._each("reduce_scatter", "dense", lambda p, c, n, b: int8_packets(p // (n * c), n * c, g(c)))
-            params = self._each("all_gather", "dense", lambda p, c, n, b: int8_packets(1, n * c, g(c)))
+
+            def every_shard(p: int, c: int, n: int, b: int) -> tuple[int, int]:
+                return int8_packets(p // (n * c), n * c, int8_dense_group(n * c))
+
+            def own_shard(p: int, c: int, n: int, b: int) -> tuple[int, int]:
+                return int8_packets(1, n * c, int8_dense_group(n * c))
+
+            grads = self._each("reduce_scatter", "dense", every_shard)
+            params = self._each("all_gather", "dense", own_shard)
         else:
             grads = self._each("reduce_scatter", "dense", lambda p, c, n, b: (p, b))
             params = self._each("all_gather", "dense", lambda p, c, n, b: (n * c, b))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from lightning_scape.comm.int8_packets import packet_bytes
 from lightning_scape.comm.wire import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
-from lightning_scape.config import INT8_DENSE_GROUP, ScapeConfig
+from lightning_scape.config import ScapeConfig, int8_dense_group
 from lightning_scape.engine.layout import Bucket
 
 _INDEX_BYTES = 2  # int16 chunk-local indices
@@ -29,7 +29,8 @@ def dense_step_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size:
     for b in buckets:
         size = b.dtype.itemsize
         if config.wire_format == "int8":
-            total += _int8_pair_bytes(b.padded_numel // world_size, min(INT8_DENSE_GROUP, b.chunk_size), world_size)
+            shard = b.padded_numel // world_size
+            total += _int8_pair_bytes(shard, int8_dense_group(shard), world_size)
         elif config.sharded:
             total += reduce_scatter_bytes(b.padded_numel, size, world_size)
             total += all_gather_bytes(b.padded_numel // world_size, size, world_size)
