@@ -95,7 +95,7 @@ class ScapeConfig:
             from the value every rank holds, which every rank (the owner too) applies identically, so replicas
             stay bitwise equal. Dense steps send about 1/4 of the bytes and sparse steps about 0.42 (the int16
             indices stay): what that buys in time and costs in loss is measured in ``docs/algorithm.md``
-            section 7. It does not combine with fp16 loss scaling (use bf16).
+            section 7.
         bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
             communicating earlier in the backward pass but cost more launches; 25 is DDP's default.
         seed: Seed of the shared random generator (``mask_statistic="random"``).

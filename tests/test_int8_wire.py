@@ -171,11 +171,48 @@ def test_no_gradient_mass_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
             assert torch.equal(total[outside], torch.zeros_like(total[outside])), t  # unsent: all in the residual
 
 
-def test_int8_needs_sharded_mode_and_refuses_fp16_loss_scaling() -> None:
+def test_int8_needs_sharded_mode() -> None:
     with pytest.raises(ValueError, match="wire_format='int8' needs sharded=True"):
         ScapeConfig(wire_format="int8", sharded=False)
     with pytest.raises(ValueError, match="wire_format='bf8' is unknown"):
         ScapeConfig(wire_format="bf8")  # type: ignore[arg-type]
+
+
+def _fp16_like_run(rank: int, comm: Communicator, staged: bool, bad_step: int | None) -> dict[str, Any]:
+    """The int8 wire through dense and sparse steps, with the finiteness vote of fp16 loss scaling (``staged``);
+    rank 1's gradient holds an inf at ``bad_step``."""
+    cfg = ScapeConfig(**INT8)
     model = make_net(0)
-    with pytest.raises(ValueError, match="does not combine with fp16 loss scaling"):
-        ScapeEngine(AdamS(model.parameters(), lr=1e-3), ScapeConfig(wire_format="int8"), skip_nonfinite=True)
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), cfg, comm, skip_nonfinite=staged)
+    (bs,) = engine.buckets
+    gen = torch.Generator().manual_seed(rank)
+    out: dict[str, Any] = {"params": [], "residual": [], "skipped": []}
+    for step in range(10):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        if step == bad_step and rank == 1:
+            next(model.parameters()).grad[0, 0] = float("inf")  # type: ignore[index]
+        engine.step()
+        engine.zero_grad()
+        out["params"].append(bs.params.clone())
+        out["residual"].append(bs.residual.clone())
+        out["skipped"].append(engine.last_step_skipped)
+    engine.close()
+    return out
+
+
+@pytest.mark.parametrize("bad_step", [1, 8])  # a dense step and a sparse one
+def test_fp16_skipped_steps_leave_no_trace_and_finite_ones_match_the_unstaged_run(bad_step: int) -> None:
+    plain = simulate(2, lambda rank, comm: _fp16_like_run(rank, comm, False, None))
+    staged = simulate(2, lambda rank, comm: _fp16_like_run(rank, comm, True, None))
+    for a, b in zip(plain, staged, strict=True):  # staging the residual changes no bit of a finite run
+        pairs = zip(a["params"] + a["residual"], b["params"] + b["residual"], strict=True)
+        assert all(torch.equal(x, y) for x, y in pairs)
+    skipped = simulate(2, lambda rank, comm: _fp16_like_run(rank, comm, True, bad_step))
+    for r in range(2):
+        run = skipped[r]
+        assert run["skipped"] == [s == bad_step for s in range(10)]
+        before = run["params"][bad_step - 1], run["residual"][bad_step - 1]
+        assert torch.equal(run["params"][bad_step], before[0])  # nothing applied
+        assert torch.equal(run["residual"][bad_step], before[1])  # and nothing kept: no rounding, no gradient
+    assert torch.equal(skipped[0]["params"][-1], skipped[1]["params"][-1])

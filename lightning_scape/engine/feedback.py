@@ -39,7 +39,10 @@ def commit(bucket: BucketState, mask: Tensor) -> None:
     """The residual's half of a staged step: :func:`compact`'s arithmetic, its compact output discarded.
 
     ``values`` may hold the all-reduced sums by now (replicated mode), so the recomputed compact values go
-    to a scratch buffer; they equal what :func:`stage` sent.
+    to a scratch buffer; they equal what :func:`stage` sent. With the int8 wire, ``values`` holds the rounding
+    error of what was sent, which the residual then takes back (:func:`keep_rounding_error`).
     """
     scratch = torch.empty_like(bucket.values)
     kernels.ef_compact(bucket.residual, bucket.grads, mask, bucket.layout.chunk_size, scratch)
+    if bucket.int8_wire:  # the int8 launch left its rounding error in ``values``
+        keep_rounding_error(bucket, mask)

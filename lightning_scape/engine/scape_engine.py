@@ -90,7 +90,7 @@ class ScapeEngine:
         self.world_size = self.comm.world_size
         self.loss_scale = loss_scale
         self.skip_nonfinite = skip_nonfinite
-        _check_inputs(optimizer, cfg, skip_nonfinite)
+        _check_inputs(optimizer)
         self.param_order = param_order
         self.buckets: list[BucketState] = []  # none while every parameter is frozen (add_trainable_params)
         self._hooks: list[Any] = []
@@ -185,6 +185,7 @@ class ScapeEngine:
         if self.skip_nonfinite and step.any_nonfinite():
             self._close_step(step, applied=False)
             return
+        step.commit_staged()
         # 3. Clip the synchronised gradient.
         update.clip_(synced, self._clip_coef(step, max_grad_norm), clip_value)
         # 4. AdamS on this rank's region; sharded: launch each bucket's parameter all-gather at once.
@@ -384,7 +385,7 @@ class ScapeEngine:
         self.masks.begin()
 
 
-def _check_inputs(optimizer: Optimizer, config: ScapeConfig, skip_nonfinite: bool) -> None:
+def _check_inputs(optimizer: Optimizer) -> None:
     """Refuse what the engine cannot run, before anything is built."""
     for g in optimizer.param_groups:
         missing = [k for k in ("lr", "betas", "eps", "weight_decay") if k not in g]
@@ -393,9 +394,3 @@ def _check_inputs(optimizer: Optimizer, config: ScapeConfig, skip_nonfinite: boo
                 f"ScapeEngine needs AdamS-style param groups; this one lacks {missing}. "
                 "Build the optimizer as lightning_scape.AdamS(params, ...)."
             )
-    if skip_nonfinite and config.wire_format == "int8":
-        raise ValueError(
-            "SCAPE: wire_format='int8' does not combine with fp16 loss scaling (a skipped step would have to take "
-            "back the int8 rounding already kept in the residual); train in bf16 ('bf16-mixed') or fp32, or keep "
-            "wire_format='full' for fp16."
-        )

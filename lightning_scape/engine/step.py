@@ -60,6 +60,7 @@ class StepInFlight:
         self.next_launch = 0  # buckets below this index are launched (in the current round)
         self.rounds = 1  # rounds of launches: a backward pass that reaches launched buckets starts one
         self.carry: list[Tensor | None] = [None] * n  # per bucket: the averaged values of earlier rounds
+        self.staged: list[Tensor | None] = [None] * n  # int8 wire, dense, skip_nonfinite: the residual to commit
         self.sent_versions = [-1] * n  # per bucket: the gradient buffer's version when it was launched
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=buckets[0].params.device)
         self._synced: list[Tensor] | None = None
@@ -130,6 +131,12 @@ class StepInFlight:
         wire's dense steps, unless the step may still be skipped (then the residual waits, :func:`feedback.stage`)."""
         return (not self.dense or self.config.wire_format == "int8") and not self.skip_nonfinite
 
+    def commit_staged(self) -> None:
+        """Every rank agreed that the step is finite: staged int8 dense launches hand their residuals over."""
+        for bs, a in zip(self.buckets, self.staged, strict=True):
+            if a is not None:
+                bs.residual.copy_(a)
+
     def close(self) -> None:
         """The step is over: a dense step gives back what :meth:`~BucketState.dense_synced` borrowed."""
         if self.dense:
@@ -151,14 +158,16 @@ class StepInFlight:
             self.nonfinite |= ~torch.isfinite(bs.grads).all()
         self.sent_versions[i] = bs.grads._version  # no collective writes grads: a later change is the user's
         self.wire.count_dense_equivalent(bs.layout.numel, bs.layout.dtype.itemsize)
-        return self._launch_dense(bs) if self.dense else self._launch_sparse(i, bs)
+        return self._launch_dense(i, bs) if self.dense else self._launch_sparse(i, bs)
 
-    def _launch_dense(self, bs: BucketState) -> Pending:
+    def _launch_dense(self, i: int, bs: BucketState) -> Pending:
         """The whole gradient, summed into :meth:`~BucketState.dense_synced` (never into ``grads`` itself)."""
         if self.config.wire_format == "int8":
-            # Error feedback on every coordinate: the residual takes e + g, then keeps what int8 did not carry.
-            bs.residual.add_(bs.grads)
-            return self.wire.reduce_scatter_int8("dense", bs.dense_synced(), bs.residual, bs.dense_int8_group)
+            # Error feedback on every coordinate: e + g goes out rounded, and what the codes did not carry becomes
+            # the residual, at once or, when the step may still be skipped, at commit_staged.
+            a = bs.residual + bs.grads if self.skip_nonfinite else bs.residual.add_(bs.grads)
+            self.staged[i] = a if self.skip_nonfinite else None
+            return self.wire.reduce_scatter_int8("dense", bs.dense_synced(), a, bs.dense_int8_group)
         if self.config.sharded:
             return self.wire.reduce_scatter_sum("dense", bs.dense_synced(), bs.grads)
         total = bs.dense_synced()
@@ -176,7 +185,8 @@ class StepInFlight:
             feedback.compact(bs, mask)
         if self.config.wire_format == "int8":
             pending = self.wire.reduce_scatter_int8("values", bs.sparse_synced(), bs.values, bs.k)
-            feedback.keep_rounding_error(bs, mask)
+            if not self.skip_nonfinite:  # else feedback.commit takes the rounding error back
+                feedback.keep_rounding_error(bs, mask)
             return pending
         if self.config.sharded:
             return self.wire.reduce_scatter_sum("values", bs.sparse_synced(), bs.values)
