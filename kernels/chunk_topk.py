@@ -10,6 +10,8 @@ residual of a chunk once and writes its k indices, without materialising the fp3
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -156,51 +158,70 @@ def select_mask(
 if HAS_TRITON:
 
     @triton.jit
-    def _select_kernel(
+    def _load_scores(
         a_ptr: tl.tensor,
         b_ptr: tl.tensor,
-        out_ptr: tl.tensor,
-        k: tl.tensor,
-        k_explore: tl.tensor,
-        offset: tl.tensor,
+        offs: tl.tensor,
+        mask: tl.tensor,
+        other: tl.tensor,
         beta1: tl.tensor,
         one_minus_b1: tl.tensor,
-        C: tl.constexpr,
         STAT: tl.constexpr,
-    ) -> None:
-        # One program per chunk; the whole chunk (C <= 32768) lives in registers.
-        row = tl.program_id(0).to(tl.int64)
-        idx = tl.arange(0, C)
+    ) -> tl.tensor:
+        """fp32 scores at ``offs`` (``mask``/``other`` as in ``tl.load``; None for a whole chunk)."""
         if STAT == 0:
-            s = tl.load(a_ptr + row * C + idx).to(tl.float32)
+            s = tl.load(a_ptr + offs, mask=mask, other=other).to(tl.float32)
         elif STAT == 1:
-            m = tl.load(a_ptr + row * C + idx)
-            e = tl.load(b_ptr + row * C + idx)
+            m = tl.load(a_ptr + offs, mask=mask, other=other)
+            e = tl.load(b_ptr + offs, mask=mask, other=other)
             # mask_scores_ref: momentum.mul(b1).add_(residual, alpha=1-b1), one fma in PyTorch.
             s = tl.abs(tl.fma(e, one_minus_b1, m * beta1)).to(tl.float32)
         else:
-            s = tl.abs(tl.load(b_ptr + row * C + idx)).to(tl.float32)
+            s = tl.abs(tl.load(b_ptr + offs, mask=mask, other=other)).to(tl.float32)
+        return s
+
+    @triton.jit
+    def _score_keys(
+        s: tl.tensor, idx: tl.tensor, k_explore: tl.tensor, offset: tl.tensor, C: tl.constexpr, SIGNED: tl.constexpr
+    ) -> tl.tensor:
+        """Order-preserving int32 keys of scores ``s`` at chunk-local indices ``idx``, ranked as the ref ranks.
+
+        ``SIGNED`` False promises no -inf and no -0.0 among the scores (they are absolute values).
+        """
         # chunk_topk_ref's nan_to_num(nan=-inf, posinf=FLT_MAX) also maps -inf to -FLT_MAX (the
         # default of neginf), so NaN ranks below every number.
         s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
-        s = tl.where(s == -float("inf"), -3.4028234663852886e38, s)
+        if SIGNED:
+            s = tl.where(s == -float("inf"), -3.4028234663852886e38, s)
         s = tl.where(s != s, -float("inf"), s)
         # Exploration window (offset + j) mod C, j < k_explore: forced in with +inf (C is a power of 2).
         s = tl.where(((idx - offset) & (C - 1)) < k_explore, float("inf"), s)
-        # -0.0 == 0.0 for the ref's comparisons; give both one bit pattern.
-        s = tl.where(s == 0.0, 0.0, s)
-        # Order-preserving int32 key of the float: flip the magnitude bits of negative numbers.
+        if SIGNED:
+            # -0.0 == 0.0 for the ref's comparisons; give both one bit pattern.
+            s = tl.where(s == 0.0, 0.0, s)
+        # Flip the magnitude bits of negative numbers: int32 order is then float order. No key is
+        # INT32_MIN (that would be a NaN pattern), so INT32_MIN pads below every score.
         bits = s.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        # Bisection on the key's bits for t = the k-th largest key: the largest t with
-        # #{key >= t} >= k. The sign bit first, then bits 30..0 (setting a lower bit raises a
-        # two's-complement value whatever its sign). 32 counts over registers, no sort.
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _kth_key(key: tl.tensor, k: tl.tensor, LOW_BIT: tl.constexpr) -> tl.tensor:
+        """The largest t, a multiple of ``2**LOW_BIT``, with ``#{key >= t} >= k`` (the k-th largest key for 0).
+
+        Bisection on the key's bits: the sign bit first, then bits 30..LOW_BIT (setting a lower bit
+        raises a two's-complement value whatever its sign). One count per bit, no sort.
+        """
         n_nonneg = tl.sum((key >= 0).to(tl.int32), axis=0)
         t = tl.where(n_nonneg >= k, 0, -2147483648).to(tl.int32)
-        for b in tl.static_range(30, -1, -1):
+        for b in tl.static_range(30, LOW_BIT - 1, -1):
             cand = t | (1 << b)
             cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
             t = tl.where(cnt >= k, cand, t)
+        return t
+
+    @triton.jit
+    def _store_top(key: tl.tensor, idx: tl.tensor, t: tl.tensor, k: tl.tensor, out_row: tl.tensor) -> None:
+        """Store the k indices ranked first (``t`` the k-th largest key) ascending; ``idx`` is ascending."""
         # Everything above t is taken; ties at t fill the remaining slots in index order.
         above = key > t
         need = k - tl.sum(above.to(tl.int32), axis=0)
@@ -208,7 +229,155 @@ if HAS_TRITON:
         take = above | (at & (tl.cumsum(at.to(tl.int32), axis=0) <= need))
         # Ascending output: a taken index goes to the slot given by the taken ones before it.
         slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out_ptr + row * k + slot, idx.to(tl.int16), mask=take)
+        tl.store(out_row + slot, idx.to(tl.int16), mask=take)
+
+    @triton.jit
+    def _kth_key_above(key: tl.tensor, k: tl.tensor, lo: tl.tensor) -> tl.tensor:
+        """The k-th largest key, given ``lo`` <= it: steps up through the distinct keys above ``lo``.
+
+        Each step costs two reductions; when many keys lie between ``lo`` and the answer, bisect instead.
+        """
+        t = lo
+        n_above = tl.sum((key > t).to(tl.int32), axis=0)
+        if n_above - k > 8:
+            t = _kth_key(key, k, 0)
+        else:
+            # Invariant: #{key >= t} >= k. Done when fewer than k keys lie above t.
+            while n_above >= k:
+                t = tl.min(tl.where(key > t, key, 2147483647), axis=0)
+                n_above = tl.sum((key > t).to(tl.int32), axis=0)
+        return t
+
+    @triton.jit
+    def _select_groups(
+        cand: tl.tensor,
+        n_groups: tl.tensor,
+        lo: tl.tensor,
+        a_ptr: tl.tensor,
+        b_ptr: tl.tensor,
+        base: tl.tensor,
+        out_row: tl.tensor,
+        scratch_row: tl.tensor,
+        k: tl.tensor,
+        k_explore: tl.tensor,
+        offset: tl.tensor,
+        beta1: tl.tensor,
+        one_minus_b1: tl.tensor,
+        C: tl.constexpr,
+        STAT: tl.constexpr,
+        VEC: tl.constexpr,
+        CAP: tl.constexpr,
+    ) -> None:
+        """Select among the keys of the ``n_groups`` candidate groups (``cand``), gathered again by index."""
+        # Ordered compaction of the candidate groups' numbers through this row's scratch: Triton cannot
+        # compact registers, and a scatter of the whole chunk would force a one-value-per-thread layout
+        # (scalar loads and a layout conversion); a scatter of the group numbers is C / VEC values.
+        pos = tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        tl.store(scratch_row + pos, tl.arange(0, C // VEC), mask=cand)
+        tl.debug_barrier()  # the stores above, by any thread, before the loads below
+        # Their elements, ascending by index; the scores are re-read (cached: just loaded).
+        cpos = tl.arange(0, CAP)
+        valid = cpos < n_groups * VEC
+        cidx = tl.load(scratch_row + cpos // VEC, mask=valid, other=0) * VEC + cpos % VEC
+        cs = _load_scores(a_ptr, b_ptr, base + cidx, valid, 0.0, beta1, one_minus_b1, STAT)
+        ckey = tl.where(valid, _score_keys(cs, cidx, k_explore, offset, C, STAT == 0), -2147483648)
+        _store_top(ckey, cidx, _kth_key_above(ckey, k, lo), k, out_row)
+
+    @triton.jit
+    def _select_kernel(
+        a_ptr: tl.tensor,
+        b_ptr: tl.tensor,
+        out_ptr: tl.tensor,
+        scratch_ptr: tl.tensor,
+        k: tl.tensor,
+        k_explore: tl.tensor,
+        offset: tl.tensor,
+        beta1: tl.tensor,
+        one_minus_b1: tl.tensor,
+        C: tl.constexpr,
+        STAT: tl.constexpr,
+        PREFILTER: tl.constexpr,
+        VEC: tl.constexpr,
+        CAP_GROUPS: tl.constexpr,
+        LOW_BIT: tl.constexpr,
+    ) -> None:
+        # One program per chunk; the whole chunk (C <= 32768) lives in registers.
+        row = tl.program_id(0).to(tl.int64)
+        idx = tl.arange(0, C)
+        s = _load_scores(a_ptr, b_ptr, row * C + idx, None, None, beta1, one_minus_b1, STAT)
+        key = _score_keys(s, idx, k_explore, offset, C, STAT == 0)
+        out_row = out_ptr + row * k
+        if PREFILTER:
+            # Groups of VEC adjacent keys (one vector load each, so their maxima need no shuffle). At
+            # least k groups have a maximum >= lo, so at least k keys are >= lo: lo <= the k-th
+            # largest key, and every key the selection takes lies in a group whose maximum is >= lo.
+            gmax = tl.max(tl.reshape(key, (C // VEC, VEC)), axis=1)
+            lo = _kth_key(gmax, k, LOW_BIT)
+            cand = gmax >= lo
+            n_groups = tl.sum(cand.to(tl.int32), axis=0)
+            if n_groups <= CAP_GROUPS:
+                _select_groups(
+                    cand,
+                    n_groups,
+                    lo,
+                    a_ptr,
+                    b_ptr,
+                    row * C,
+                    out_row,
+                    scratch_ptr + row * CAP_GROUPS,
+                    k,
+                    k_explore,
+                    offset,
+                    beta1,
+                    one_minus_b1,
+                    C,
+                    STAT,
+                    VEC,
+                    CAP_GROUPS * VEC,
+                )
+            else:
+                # Many keys at lo (ties, mostly): when fewer than k are above it, lo is the k-th largest.
+                n_above = tl.sum((key > lo).to(tl.int32), axis=0)
+                if n_above < k:
+                    t = lo
+                else:
+                    t = _kth_key(key, k, 0)
+                _store_top(key, idx, t, k, out_row)
+        else:
+            _store_top(key, idx, _kth_key(key, k, 0), k, out_row)
+
+
+class _SelectConfig(NamedTuple):
+    """Launch parameters of :func:`_select_kernel` for one chunk size, k and input width."""
+
+    num_warps: int
+    prefilter: bool
+    vec: int
+    cap_groups: int
+    low_bit: int
+
+
+def _select_config(chunk_size: int, k: int, elem_bytes: int) -> _SelectConfig:
+    """Pick the launch parameters of :func:`_select_kernel` (docs/kernels.md has the measurements).
+
+    Args:
+        chunk_size: C, a power of two.
+        k: Slots per chunk.
+        elem_bytes: Bytes per input value (the momentum's for the momentum statistic).
+
+    Returns:
+        The prefilter (groups of one 16-byte load each, at most ``cap_groups`` candidate groups,
+        group-maximum threshold to 16 bits) for C >= 1024 when the candidate groups fit in half the
+        chunk; otherwise the plain selection over the whole chunk, at 16 values per thread.
+    """
+    vec = max(1, 16 // elem_bytes)  # values per 16-byte load
+    cap_groups = min(max(32, 1 << (k + k // 2 - 1).bit_length()), chunk_size // (2 * vec))
+    if chunk_size < 1024 or k > cap_groups:
+        return _SelectConfig(max(1, min(32, chunk_size // 512)), False, vec, 1, 16)
+    # Warps per chunk as measured fastest on an H100 (docs/kernels.md): 64 values per thread (fewer
+    # warps spill registers), except 32 for 4-byte values at C = 4096.
+    warps = 4 if chunk_size == 4096 and elem_bytes >= 4 else max(1, chunk_size // 2048)
+    return _SelectConfig(min(32, warps), True, vec, cap_groups, 16)
 
 
 def _launch_select(
@@ -248,10 +417,14 @@ def _launch_select(
     out = torch.empty(rows, k, dtype=torch.int16, device=a.device)
     if rows == 0:
         return out
+    cfg = _select_config(C, k, a.element_size())
+    # Per-row scratch for the candidate groups' numbers (unused without the prefilter).
+    scratch = torch.empty(rows * cfg.cap_groups if cfg.prefilter else 1, dtype=torch.int32, device=a.device)
     _select_kernel[(rows,)](
         a,
         b,
         out,
+        scratch,
         k,
         k_explore,
         explore_offset % C,
@@ -259,9 +432,11 @@ def _launch_select(
         1.0 - beta1,
         C=C,
         STAT=stat,
-        # About 16 coordinates per thread (fewer warps spill registers on sm_90 from C = 16384 on);
-        # the 32 counting reductions dominate, and more warps per chunk shorten each one.
-        num_warps=max(1, min(32, C // 512)),
+        PREFILTER=cfg.prefilter,
+        VEC=cfg.vec,
+        CAP_GROUPS=cfg.cap_groups,
+        LOW_BIT=cfg.low_bit,
+        num_warps=cfg.num_warps,
         # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
         enable_fp_fusion=False,
     )
@@ -272,9 +447,14 @@ def _launch_select(
 def chunk_topk_triton(scores: Tensor, chunk_size: int, k: int, k_explore: int, explore_offset: int) -> Tensor:
     """Triton kernel of :func:`chunk_topk_ref`: the same indices, exactly.
 
-    One program per chunk holds the chunk's keys in registers, finds the k-th largest by bisection on
-    the float bit pattern (32 counting passes over registers), takes everything above it and fills
-    the ties in index order with a prefix sum.
+    One program per chunk holds the chunk's keys (order-preserving int32 images of the scores) in
+    registers. From C = 1024 on it prefilters: the maxima of groups of adjacent keys (one 16-byte load
+    each) give, by bisection on their top 16 bits, a lower bound of the k-th largest key; the few
+    groups at or above it are compacted in index order through a per-row scratch, and the exact
+    k-th largest is found among their keys alone. Otherwise (small chunks, large k, or too many
+    candidate groups, as when a chunk is all ties) it bisects over the whole chunk (32 counting
+    passes). Either way it takes every key above the k-th largest and fills the ties in index order
+    with a prefix sum.
 
     Args:
         scores: ``[rows * chunk_size]`` contiguous float scores (any float dtype; compared in fp32).

@@ -311,6 +311,25 @@ def test_select_mask_equals_ref_exactly(shape: tuple[int, int], density: float, 
     assert torch.equal(K.select_mask_triton(m, e, 0.9, statistic, C, k, ke, offset), ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selection_where_the_group_prefilter_cannot_narrow_or_the_top_is_packed(dtype: torch.dtype) -> None:
+    """The kernels' two rarer paths: scores that share their top 16 bits (the prefilter on group maxima cannot
+    narrow them: the whole chunk is searched) and a top-k packed into a few adjacent groups (the k-th largest is
+    found among the candidates), for chunk_topk and select_mask."""
+    rows, C, k = 3, 4096, 41
+    gen = torch.Generator().manual_seed(11)
+    shared = 1.0 + 1e-6 * torch.randn(rows * C, generator=gen)
+    packed = torch.rand(rows * C, generator=gen) * 1e-3
+    packed.view(rows, C)[:, 100 : 100 + k + 5] += torch.rand(rows, k + 5, generator=gen) + 1.0
+    for s in (shared.to(dtype), packed.to(dtype)):
+        for ke, off in ((0, 0), (4, 4090)):
+            assert torch.equal(K.chunk_topk_triton(s, C, k, ke, off), K.chunk_topk_ref(s, C, k, ke, off))
+            m = s.float()
+            e = torch.zeros_like(m)
+            ref = K.select_mask_ref(m, e, 0.9, "momentum", C, k, ke, off)
+            assert torch.equal(K.select_mask_triton(m, e, 0.9, "momentum", C, k, ke, off), ref)
+
+
 # ---------------------------------------------------------------- int8 rounding
 
 
