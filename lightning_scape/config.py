@@ -94,8 +94,10 @@ class ScapeConfig:
             stays in the residual, so no gradient mass is lost, and a parameter update travels as the change
             from the value every rank holds, which every rank (the owner too) applies identically, so replicas
             stay bitwise equal. Dense steps send about 1/4 of the bytes and sparse steps about 0.42 (the int16
-            indices stay): what that buys in time and costs in loss is measured in ``docs/algorithm.md``
-            section 7.
+            indices stay). When the network sets the pace, use ``"int8"`` with ``density=0.025``: a sparse step
+            then sends what ``"full"`` sends at 0.01, and the extra coordinates ended closer to dense AdamS in
+            every run measured (``docs/algorithm.md`` section 7). Keep ``"full"`` for ``sharded=False`` and where
+            the dense steps must equal DDP + AdamS's bit for bit.
         bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
             communicating earlier in the backward pass but cost more launches; 25 is DDP's default.
         seed: Seed of the shared random generator (``mask_statistic="random"``).
