@@ -7,6 +7,8 @@
   the Lightning strategies;
 * :mod:`~lightning_scape.comm.thread_group`: W simulated ranks in one process;
 * :mod:`~lightning_scape.comm.counters`: :class:`ByteCounters`, bytes sent per :data:`Traffic` kind;
+* :mod:`~lightning_scape.comm.int8_packets`: the int8 wire format (``ScapeConfig.wire_format``): packets of
+  scales and codes, and their decoding;
 * :mod:`~lightning_scape.comm.wire`: :class:`Wire`, through which the engine launches and counts every collective.
 """
 
