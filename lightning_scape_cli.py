@@ -166,6 +166,12 @@ def estimate_parser() -> argparse.ArgumentParser:
     ap.add_argument("--densities", default="0.1,0.01", help="SCAPE's densities, comma-separated (default: 0.1,0.01)")
     ap.add_argument("--dense-warmup-steps", type=int, default=None, help="SCAPE's dense warm-up (default: 30)")
     ap.add_argument("--density-ramp-steps", type=int, default=None, help="SCAPE's density ramp (default: 400)")
+    ap.add_argument(
+        "--wire-format",
+        choices=("full", "int8"),
+        default=None,
+        help="how SCAPE's values travel (default: full; int8 with --densities 0.025 on slow links)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="the run's length: also print each method's total time")
     return ap
 
@@ -225,7 +231,11 @@ def estimate_command(argv: list[str]) -> Any:
     from lightning_scape.planning import Cluster, Link, StepCompute, estimate, format_estimate, parameter_groups
     from lightning_scape.planning.measure import litgpt_model, measure_litgpt
 
-    schedule = {"dense_warmup_steps": ns.dense_warmup_steps, "density_ramp_steps": ns.density_ramp_steps}
+    schedule = {
+        "dense_warmup_steps": ns.dense_warmup_steps,
+        "density_ramp_steps": ns.density_ramp_steps,
+        "wire_format": ns.wire_format,
+    }
     W = ns.nodes * ns.procs_per_node
     try:
         config = ScapeConfig(**{k: v for k, v in schedule.items() if v is not None})
