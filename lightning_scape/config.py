@@ -96,8 +96,11 @@ class ScapeConfig:
             stay bitwise equal. Dense steps send about 1/4 of the bytes and sparse steps about 0.42 (the int16
             indices stay). When the network sets the pace, use ``"int8"`` with ``density=0.025``: a sparse step
             then sends what ``"full"`` sends at 0.01, and the extra coordinates ended closer to dense AdamS in
-            every run measured (``docs/algorithm.md`` section 7). Keep ``"full"`` for ``sharded=False`` and where
-            the dense steps must equal DDP + AdamS's bit for bit.
+            every run measured (``docs/algorithm.md`` section 7). Where a dense int8 step costs little more than
+            the compute (faster links), set ``dense_warmup_steps`` to the run's length instead: every step is then
+            AdamS on the whole int8-rounded gradient, with dense AdamS's loss per step; ``lightning-scape estimate
+            --wire-format int8`` predicts which of the two pays on a cluster. Keep ``"full"`` for
+            ``sharded=False`` and where the dense steps must equal DDP + AdamS's bit for bit.
         bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
             communicating earlier in the backward pass but cost more launches; 25 is DDP's default.
         seed: Seed of the shared random generator (``mask_statistic="random"``).

@@ -18,6 +18,7 @@ from lightning_scape.comm import Communicator, all_reduce_bytes
 from lightning_scape.planning import (
     DDP,
     DDP_BF16,
+    SCAPE_INT8_DENSE,
     Cluster,
     Collective,
     Estimate,
@@ -214,6 +215,29 @@ def test_recommendation_follows_the_link() -> None:
     short = _estimate(bps=1e8, run_steps=ahead.ahead_from - 1)  # ends before SCAPE has caught up
     assert short.recommendation.startswith("Use DDP bf16 hook + AdamW for this run")
     assert "shorten --dense-warmup-steps and --density-ramp-steps" in short.recommendation
+
+
+def test_the_int8_wire_adds_scape_with_every_step_dense() -> None:
+    """Its step sends the int8 dense packets both ways: a quarter of DDP's fp32 bytes, plus one scale per 256."""
+    groups = parameter_groups(numel=20_000_000)
+    compute = StepCompute.from_total(0.05, {0.1: 0.003, 0.01: 0.003})
+    est = estimate(groups, Cluster(2, 1, Link(5e9)), compute, config=ScapeConfig(wire_format="int8"), run_steps=5000)
+    m = est.method(SCAPE_INT8_DENSE)
+    assert m.density is None and m.schedule is None
+    # W = 2: each rank sends half its gradient's codes and scales, then half the parameter changes' (the padding to
+    # W * C and to 4-byte packets is a few kB).
+    assert m.bytes_per_step == pytest.approx(20_000_000 * (1 + 4 / 256), rel=1e-3)
+    assert m.bytes_per_step / est.method(DDP).bytes_per_step == pytest.approx(0.254, abs=0.001)
+    assert m.run_s == pytest.approx(5000 * m.step.total_s)
+    # At 5 Gbit/s its steps beat the bf16 hook's clearly and the sparse steps do not beat them by SPARSE_STEPS.
+    assert est.recommendation.startswith('Use SCAPE int8 dense (wire_format="int8", dense_warmup_steps=5000)')
+    slow = estimate(groups, Cluster(2, 1, Link(1e8)), compute, config=ScapeConfig(wire_format="int8"))
+    assert slow.recommendation.startswith("Use SCAPE d=0.01")
+    fast = estimate(groups, Cluster(2, 1, Link(3e10)), compute, config=ScapeConfig(wire_format="int8"))
+    assert fast.recommendation.startswith("Stay with DDP bf16 hook + AdamW: SCAPE int8 dense's steps are predicted")
+    assert "% slower" in fast.recommendation
+    # Without the int8 wire (or replicated) there is no such row.
+    assert all(x.name != SCAPE_INT8_DENSE for x in _estimate().methods)
 
 
 def test_the_default_schedule_is_the_configs() -> None:

@@ -1,10 +1,11 @@
 """Planning a run: does SCAPE pay on this network? (``lightning-scape estimate``)
 
 From a model's parameters, the cluster's shape and links and one rank's compute per step, predict the bytes,
-step time and memory per rank of DDP, DDP's bf16 hook and SCAPE, where SCAPE breaks even, and what its warm-up
-and ramp cost. The bytes are the package's own formulas (:mod:`lightning_scape.comm.wire`) applied to the
-engine's layout and mask schedule; the memory is the engine's buffers; the step model is in
-:mod:`~lightning_scape.planning.predict` and ``docs/benchmarks.md`` ("Predicted against measured").
+step time and memory per rank of DDP, DDP's bf16 hook and SCAPE (with the int8 wire, also with every step
+dense), where SCAPE breaks even, and what its warm-up and ramp cost. The bytes are the package's own formulas
+(:mod:`lightning_scape.comm.wire`) applied to the engine's layout and mask schedule; the memory is the engine's
+buffers; the step model is in :mod:`~lightning_scape.planning.predict` and ``docs/benchmarks.md`` ("Predicted
+against measured").
 
 * :mod:`~lightning_scape.planning.network`: links, the cluster, a ring collective's time;
 * :mod:`~lightning_scape.planning.traffic`: each method's collectives, step by step;
@@ -15,7 +16,15 @@ engine's layout and mask schedule; the memory is the engine's buffers; the step 
 * :mod:`~lightning_scape.planning.report`: the printed text.
 """
 
-from lightning_scape.planning.estimate import DDP, DDP_BF16, Estimate, MethodEstimate, estimate, scape_name
+from lightning_scape.planning.estimate import (
+    DDP,
+    DDP_BF16,
+    SCAPE_INT8_DENSE,
+    Estimate,
+    MethodEstimate,
+    estimate,
+    scape_name,
+)
 from lightning_scape.planning.memory import Memory, ddp_memory, scape_memory
 from lightning_scape.planning.network import Cluster, Collective, Link
 from lightning_scape.planning.predict import ScheduleCost, StepCompute, StepTime, breakeven_bandwidth, step_time
@@ -32,6 +41,7 @@ from lightning_scape.planning.traffic import (
 __all__ = [
     "DDP",
     "DDP_BF16",
+    "SCAPE_INT8_DENSE",
     "Cluster",
     "Collective",
     "Estimate",

@@ -28,10 +28,14 @@ from lightning_scape.planning.traffic import ScapeTraffic, StepTraffic, ddp_buck
 
 DDP = "DDP + AdamW"
 DDP_BF16 = "DDP bf16 hook + AdamW"
+SCAPE_INT8_DENSE = "SCAPE int8 dense"
 DENSITIES = (0.1, 0.01)
 # A method must be this much faster per step to be recommended over the one before it: below it, the
 # model's own error (docs/benchmarks.md, "Predicted against measured") decides.
 CLEAR_GAIN = 1.1
+# Sparse steps must be this much faster than SCAPE's int8 dense steps to pay: both step AdamS, but the sparse
+# phase needs more steps to reach the same loss (about 1.3x in the time-to-loss benchmark, docs/benchmarks.md).
+SPARSE_STEPS = 1.3
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,9 @@ class MethodEstimate:
     """One method's predicted step.
 
     Attributes:
-        name: ``"DDP + AdamW"``, ``"DDP bf16 hook + AdamW"`` or ``"SCAPE d=<density>"``.
-        density: SCAPE's density (None for DDP).
+        name: ``"DDP + AdamW"``, ``"DDP bf16 hook + AdamW"``, ``"SCAPE int8 dense"`` (the int8 wire with every
+            step dense) or ``"SCAPE d=<density>"``.
+        density: SCAPE's density (None for the dense methods).
         bytes_per_step: Bytes one rank sends per step (SCAPE: after its schedule), as the package counts them.
         step: The step time.
         memory: Memory per rank, activations excluded.
@@ -94,7 +99,8 @@ def estimate(
     run_steps: int | None = None,
     overlap_next: bool = True,
 ) -> Estimate:
-    """Predict DDP, DDP with the bf16 hook, and SCAPE at each density on ``cluster``.
+    """Predict DDP, DDP with the bf16 hook, and SCAPE at each density on ``cluster``; with the int8 wire (sharded),
+    also SCAPE with every step dense.
 
     Args:
         param_groups: The trainable parameters (:func:`~lightning_scape.planning.traffic.parameter_groups`).
@@ -117,11 +123,31 @@ def estimate(
         step = step_time(traffic, compute, cluster)
         run_s = None if run_steps is None else run_steps * step.total_s
         methods.append(MethodEstimate(name, None, traffic.bytes_sent(W), step, ddp_memory(param_groups), run_s=run_s))
+    if base.wire_format == "int8" and base.sharded:
+        methods.append(_scape_int8_dense(param_groups, cluster, compute, base, run_steps))
     for d in densities:
         cfg = base.replace(density=d)
         methods.append(_scape(param_groups, cluster, compute, cfg, dense, run_steps, overlap_next))
     params = sum(p.numel() for g in param_groups for p in g["params"])
     return Estimate(params, cluster, compute, base, methods, run_steps, recommend(methods, run_steps))
+
+
+def _scape_int8_dense(
+    param_groups: list[dict[str, Any]], cluster: Cluster, compute: StepCompute, cfg: ScapeConfig, run_steps: int | None
+) -> MethodEstimate:
+    """SCAPE with the int8 wire and a dense warm-up as long as the run: every step is a dense step."""
+    cfg = cfg.replace(dense_warmup_steps=max(run_steps or 1, cfg.dense_warmup_steps))
+    layout = scape_layout(param_groups, cluster.world_size, cfg)
+    traffic = next(ScapeTraffic(layout, cfg).steps(1))
+    step = step_time(traffic, compute, cluster)
+    return MethodEstimate(
+        name=SCAPE_INT8_DENSE,
+        density=None,
+        bytes_per_step=traffic.bytes_sent(cluster.world_size),
+        step=step,
+        memory=scape_memory(layout, cfg),
+        run_s=None if run_steps is None else run_steps * step.total_s,
+    )
 
 
 def _scape(
@@ -175,9 +201,16 @@ def _scape(
 
 
 def recommend(methods: Sequence[MethodEstimate], run_steps: int | None = None) -> str:
-    """One sentence: the method to use, and why, from the predicted steps (and the run's length, if known)."""
-    dense = min((m for m in methods if m.density is None), key=lambda m: m.step.total_s)
+    """One sentence: the method to use, and why, from the predicted steps (and the run's length, if known).
+
+    A method is recommended over another when its steps are :data:`CLEAR_GAIN` faster; SCAPE's sparse steps must
+    also beat its int8 dense steps (when estimated) by :data:`SPARSE_STEPS`, the extra steps they need.
+    """
+    dense = min((m for m in methods if m.density is None and m.name != SCAPE_INT8_DENSE), key=lambda m: m.step.total_s)
     scape = min((m for m in methods if m.density is not None), key=lambda m: m.step.total_s)
+    int8_dense = next((m for m in methods if m.name == SCAPE_INT8_DENSE), None)
+    if int8_dense is not None and int8_dense.step.total_s / scape.step.total_s < SPARSE_STEPS:
+        return _recommend_int8_dense(dense, int8_dense, scape, run_steps)
     gain = dense.step.total_s / scape.step.total_s
     cost = scape.schedule
     share = dense.step.exposed_s / dense.step.total_s
@@ -204,3 +237,22 @@ def recommend(methods: Sequence[MethodEstimate], run_steps: int | None = None) -
         f"SCAPE does not pay here: {dense.name} is predicted {1 / gain:.2f}x faster per step than {scape.name} "
         f"({share:.0%} of its step waits for communication); use {dense.name}."
     )
+
+
+def _recommend_int8_dense(
+    dense: MethodEstimate, int8_dense: MethodEstimate, scape: MethodEstimate, run_steps: int | None
+) -> str:
+    """The recommendation when SCAPE's sparse steps do not beat its int8 dense steps by :data:`SPARSE_STEPS`."""
+    gain = dense.step.total_s / int8_dense.step.total_s
+    sparse = (
+        f"{scape.name}'s steps are only {int8_dense.step.total_s / scape.step.total_s:.2f}x faster than "
+        f"{int8_dense.name}'s, less than the {SPARSE_STEPS}x more steps its sparse phase needs to the same loss"
+    )
+    if gain >= CLEAR_GAIN:
+        steps = str(run_steps) if run_steps is not None else "the run's length"
+        return (
+            f'Use {int8_dense.name} (wire_format="int8", dense_warmup_steps={steps}): its steps are predicted '
+            f"{gain:.2f}x faster than {dense.name}'s; {sparse}."
+        )
+    than = f"only {100 * (gain - 1):.0f}% faster" if gain >= 1 else f"{100 * (1 / gain - 1):.0f}% slower"
+    return f"Stay with {dense.name}: {int8_dense.name}'s steps are predicted {than}, and {sparse}."
