@@ -377,6 +377,13 @@ def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None
             _stepped_engine(default.replace(dense_warmup_steps=2, density_ramp_steps=0), 3)
         )
         warmup_notice.WarmupNotice().after_run(_stepped_engine(default, 0))
+        # The int8 wire with a warm-up as long as the run is dense by choice (every step AdamS, 1/4 of DDP's bytes).
+        int8_dense = default.replace(wire_format="int8", dense_warmup_steps=30)
+        warmup_notice.WarmupNotice().before_run(int8_dense, 30.0)
+        warmup_notice.WarmupNotice().after_run(_stepped_engine(int8_dense, 30))
+    # With the int8 wire, a run that ends in the ramp's dense steps is still told.
+    with pytest.warns(warmup_notice.DenseWarmupWarning, match="40 optimizer steps"):
+        warmup_notice.WarmupNotice().before_run(default.replace(wire_format="int8"), 40.0)
 
 
 def test_the_engine_line_states_the_warmup_and_the_effective_density() -> None:

@@ -32,11 +32,11 @@ class WarmupNotice:
     """Says once, on rank 0, that a run's schedule does not fit its length.
 
     A run that never leaves ``dense_warmup_steps`` sends the whole gradient at every step, as DDP does, and
-    never shows what SCAPE does; one that ends inside the density ramp, or sends more than a quarter of DDP's
-    bytes, saves little. Where the length of the run is known before it starts (the Trainer's
-    ``estimated_stepping_batches``, the ``pretrain`` command's token budget) the warning comes then, with a
-    schedule scaled to the run, while the user can still change it; otherwise (Fabric) a run that never left
-    its dense steps is told at its end.
+    never shows what SCAPE does (unless it chose to: :func:`dense_on_purpose`); one that ends inside the density
+    ramp, or sends more than a quarter of DDP's bytes, saves little. Where the length of the run is known before
+    it starts (the Trainer's ``estimated_stepping_batches``, the ``pretrain`` command's token budget) the
+    warning comes then, with a schedule scaled to the run, while the user can still change it; otherwise
+    (Fabric) a run that never left its dense steps is told at its end.
     """
 
     def __init__(self) -> None:
@@ -56,6 +56,8 @@ class WarmupNotice:
         if self.given or planned_steps is None or not math.isfinite(planned_steps) or planned_steps < 1:
             return
         steps = int(planned_steps)
+        if dense_on_purpose(config, steps):
+            return
         if steps <= config.dense_steps:
             self._say(f"this run has {steps} optimizer steps, {_all_dense(config, steps, syntax)}", syntax)
         elif layout:
@@ -72,14 +74,20 @@ class WarmupNotice:
 
     def after_run(self, engine: ScapeEngine) -> None:
         """Warn if ``engine`` stepped, but never sparsely."""
-        if self.given or not 0 < engine.step_count <= engine.config.dense_steps:
+        steps, config = engine.step_count, engine.config
+        if self.given or not 0 < steps <= config.dense_steps or dense_on_purpose(config, steps):
             return
         self.given = True
         rank_zero_warn(
-            f"lightning_scape: the run ended after {engine.step_count} optimizer steps, "
-            + _all_dense(engine.config, engine.step_count),
+            f"lightning_scape: the run ended after {steps} optimizer steps, " + _all_dense(config, steps),
             category=DenseWarmupWarning,
         )
+
+
+def dense_on_purpose(config: ScapeConfig, steps: int) -> bool:
+    """Whether a run of ``steps`` is dense by choice: the int8 wire with a warm-up as long as the run, which
+    steps AdamS on the whole gradient at a quarter of DDP's bytes (``ScapeConfig.wire_format``)."""
+    return config.wire_format == "int8" and config.dense_warmup_steps >= steps
 
 
 def _all_dense(config: ScapeConfig, steps: int, syntax: Syntax = "python") -> str:
