@@ -21,6 +21,7 @@ import pytest
 
 from benchmarks.network.time_to_loss import (
     BUDGETS,
+    SCAPE_BUDGET_METHODS,
     CurvePoint,
     loss_at_time,
     parse_args,
@@ -154,6 +155,11 @@ def test_scape_methods_take_the_package_defaults() -> None:
     assert ttl_scape_config("scape_default_int8_d0.01").to_dict() == {**defaults, "wire_format": "int8"}
     int8 = {**defaults, "wire_format": "int8", "density": 0.025}
     assert ttl_scape_config("scape_default_int8_d0.025").to_dict() == int8
+    # Every step dense: the warm-up outlasts any run, and the method trains DDP's budget, not SCAPE's.
+    dense = {**defaults, "wire_format": "int8", "dense_warmup_steps": 10**9}
+    assert ttl_scape_config("scape_int8_dense").to_dict() == dense
+    assert "scape_int8_dense" not in SCAPE_BUDGET_METHODS
+    assert "scape_default_int8_d0.025" in SCAPE_BUDGET_METHODS
     assert ttl_scape_config("scape_default_d0.1", 256, {"dense_warmup_steps": 3}).to_dict() == {
         **defaults,
         "density": 0.1,

@@ -68,8 +68,12 @@ from lightning_scape.examples.workloads import MODEL_PRESETS
 
 # Not part of "all": the model sharded inside each host (--ranks-per-host ranks) and replicated across hosts.
 TTL_FSDP_METHODS: tuple[str, ...] = ("hsdp_adamw", "scape_fsdp_default_d0.01")
-# The methods that get SCAPE's step budget (--scape-steps).
-SCAPE_BUDGET_METHODS: tuple[str, ...] = (*TTL_SCAPE_METHODS, "scape_fsdp_default_d0.01")
+# The methods that get SCAPE's step budget (--scape-steps): those with sparse steps (every step of
+# scape_int8_dense is dense, so it trains DDP's budget, as DDP + AdamS does).
+SCAPE_BUDGET_METHODS: tuple[str, ...] = (
+    *(m for m in TTL_SCAPE_METHODS if not m.endswith("_dense")),
+    "scape_fsdp_default_d0.01",
+)
 assert set(TTL_FSDP_METHODS) <= set(FSDP_METHODS)
 DDP = "ddp_adamw"  # the reference: its final validation loss is the target
 TARGET_FACTORS: tuple[float, ...] = (1.0, 1.05)
@@ -509,6 +513,7 @@ HEADLINE_METHODS: tuple[str, ...] = (
     "scape_default_d0.01",
     "scape_default_int8_d0.01",
     "scape_default_int8_d0.025",
+    "scape_int8_dense",
     "scape_default_d0.1",
     "scape_default_gradient_d0.01",
     "ddp_powersgd",

@@ -84,6 +84,8 @@ TTL_SCAPE_METHODS: tuple[str, ...] = (
     "scape_default_gradient_d0.01",
     "scape_default_int8_d0.01",
     "scape_default_int8_d0.025",
+    # The int8 wire with every step dense (the warm-up never ends): DDP + AdamS's steps at a quarter of its bytes.
+    "scape_int8_dense",
 )
 TTL_METHODS: tuple[str, ...] = (*DDP_METHODS, *TTL_SCAPE_METHODS)
 # Models sharded inside each host (WorkerSpec.shard_size ranks, FSDP2) and replicated across hosts: FSDP's native
@@ -109,6 +111,7 @@ METHOD_LABELS: dict[str, str] = {
     "scape_default_gradient_d0.01": "SCAPE defaults, gradient statistic",
     "scape_default_int8_d0.01": "SCAPE defaults, int8 wire",
     "scape_default_int8_d0.025": "SCAPE defaults, int8 wire, d=0.025",
+    "scape_int8_dense": "SCAPE int8 wire, every step dense",
     "hsdp_adamw": "native HSDP + AdamW",
     "scape_fsdp_d0.01": "ScapeFSDPStrategy d=0.01",
     "scape_fsdp_default_d0.01": "ScapeFSDPStrategy defaults (d=0.01)",
@@ -414,16 +417,20 @@ class DDPMethod(Method):
 def ttl_scape_config(name: str, chunk_size: int = 0, overrides: dict[str, Any] | None = None) -> ScapeConfig:
     """The configuration of a time-to-loss SCAPE method: the package's defaults, read now.
 
-    Only the density (from the name's ``_d`` suffix), the statistic (``scape_default_gradient_d0.01``) and the
-    wire format (``scape_default_int8_d0.01``) are stated; ``chunk_size`` (0: the default) and ``overrides``
-    (``--scape-set``, for smoke tests) are applied when given.
+    Only the density (from the name's ``_d`` suffix), the statistic (``scape_default_gradient_d0.01``), the
+    wire format (``scape_default_int8_d0.01``) and a warm-up that never ends (``scape_int8_dense``) are stated;
+    ``chunk_size`` (0: the default) and ``overrides`` (``--scape-set``, for smoke tests) are applied when given.
 
     Raises:
         ValueError: ``name`` is not one of :data:`TTL_SCAPE_METHODS`, or an override is not a ScapeConfig field.
     """
     if name not in TTL_SCAPE_METHODS:
         raise ValueError(f"{name!r} is not a time-to-loss SCAPE method; choose one of {TTL_SCAPE_METHODS}.")
-    cfg = ScapeConfig(density=float(name.rsplit("_d", 1)[1]))
+    cfg = ScapeConfig()
+    if "_d0" in name:
+        cfg = cfg.replace(density=float(name.rsplit("_d", 1)[1]))
+    if name.endswith("_dense"):
+        cfg = cfg.replace(dense_warmup_steps=10**9)
     if "gradient" in name:
         cfg = cfg.replace(mask_statistic="gradient")
     if "int8" in name:
