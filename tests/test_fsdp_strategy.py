@@ -56,6 +56,10 @@ GPT_CONFIG = {
     "intermediate_size": 32,
 }
 SPARSE = {"density": 0.05, "dense_warmup_steps": 0, "chunk_size": 64}
+# The int8 wire across the groups: two dense steps (int8 packets of the shard's gradient and parameter changes),
+# then sparse ones.
+SPARSE_INT8 = {**SPARSE, "wire_format": "int8", "dense_warmup_steps": 2, "density_ramp_steps": 0}
+RUNS = {"sparse": SPARSE, "sparse_int8": SPARSE_INT8}
 
 
 def tiny_gpt() -> nn.Module:
@@ -193,7 +197,17 @@ def test_accumulation_sends_nothing_and_clipping_uses_the_global_norm(fsdp_runs:
 @scenario("fsdp_fabric")
 def sparse_run(outdir: str) -> None:
     """Density 0.05 from the first step: what the tests compare with simulate(R), and the shard sizes."""
-    strategy = ScapeFSDPStrategy(shard_size=S, **SPARSE)
+    _sparse_run(outdir, "sparse")
+
+
+@scenario("fsdp_fabric")
+def sparse_int8_run(outdir: str) -> None:
+    """The int8 wire: two dense steps, then density 0.05."""
+    _sparse_run(outdir, "sparse_int8")
+
+
+def _sparse_run(outdir: str, name: str) -> None:
+    strategy = ScapeFSDPStrategy(shard_size=S, **RUNS[name])
     fabric = launch(strategy)
     model = fabric.setup_module(tiny_gpt())
     opt = fabric.setup_optimizers(AdamS(model.parameters(), lr=LR))
@@ -224,11 +238,12 @@ def sparse_run(outdir: str) -> None:
         "local_fraction": strategy.binding.local_numel() / total,
         "comm": (type(engine.comm).__name__, engine.comm.rank, engine.comm.world_size),
     }
-    save_output(outdir, "sparse", rank(), out)
+    save_output(outdir, name, rank(), out)
 
 
-def test_sparse_replicas_identical_and_each_rank_holds_its_shard(fsdp_runs: str) -> None:
-    outs = load_outputs(fsdp_runs, "sparse", W)
+@pytest.mark.parametrize("name", RUNS)
+def test_sparse_replicas_identical_and_each_rank_holds_its_shard(fsdp_runs: str, name: str) -> None:
+    outs = load_outputs(fsdp_runs, name, W)
     # The engine runs on the replicate group (rank r // S of R), through the communicator whose failures name the
     # global rank that stopped answering (the heartbeats are global).
     assert [out["comm"] for out in outs] == [("FaultNamingCommunicator", r // S, W // S) for r in range(W)]
@@ -249,9 +264,8 @@ def test_sparse_bytes_equal_the_formula(fsdp_runs: str) -> None:
             assert sent["dense"] == 0
 
 
-def _simulated_shard(out: dict[str, Any]) -> list[list[Tensor]]:
+def _simulated_shard(out: dict[str, Any], config: ScapeConfig) -> list[list[Tensor]]:
     """simulate(R) of the flat engine on one shard: each group fed its averaged gradient, from the same start."""
-    config = ScapeConfig(**SPARSE)
 
     def worker(group: int, comm: Communicator) -> list[Tensor]:
         shard = out[group]
@@ -274,11 +288,12 @@ def _simulated_shard(out: dict[str, Any]) -> list[list[Tensor]]:
     return simulate(R, worker)
 
 
-def test_sparse_run_equals_simulate_of_the_groups_averaged_gradients(fsdp_runs: str) -> None:
-    outs = load_outputs(fsdp_runs, "sparse", W)
+@pytest.mark.parametrize("name", RUNS)
+def test_sparse_run_equals_simulate_of_the_groups_averaged_gradients(fsdp_runs: str, name: str) -> None:
+    outs = load_outputs(fsdp_runs, name, W)
     for s in range(S):
         shard = [outs[g * S + s] for g in range(R)]  # the ranks that hold shard s
-        simulated = _simulated_shard(shard)
+        simulated = _simulated_shard(shard, ScapeConfig(**RUNS[name]))
         for g in range(R):
             for sim, real in zip(simulated[g], shard[g]["end"], strict=True):
                 assert rel_err(sim.double(), real.double()) < 1e-6, (s, g)
