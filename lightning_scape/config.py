@@ -57,7 +57,8 @@ class ScapeConfig:
         dense_warmup_steps: Optimizer steps sent dense (as DDP + AdamS would) before the density ramp. The
             momentum built there seeds the first mask. At equal bytes, ramp steps buy more quality than
             dense ones (``docs/algorithm.md`` section 7): keep this short and the ramp long. 0 starts sparse
-            at once with an all-zero statistic (and no density ramp).
+            at once with an all-zero statistic (and no density ramp). With ``wire_format="int8"``, a warm-up as
+            long as the run makes every step dense on purpose (see ``wire_format``).
         density_ramp_steps: Steps after the dense warm-up over which the density falls from 1 to ``density``
             (the ramp is part of the warm-up: with ``dense_warmup_steps=0`` there is none). Ramp steps denser
             than :data:`DENSE_ABOVE` (1/4) are sent dense, so with the geometric shape the first
