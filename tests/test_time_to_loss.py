@@ -33,6 +33,17 @@ from benchmarks.network.worker import TTL_METHODS, TTL_SCAPE_METHODS, ttl_scape_
 from lightning_scape import ScapeConfig
 
 REPO = Path(__file__).resolve().parents[1]  # the benchmarks run as modules from here
+# The smoke run's methods: every DDP form, and SCAPE's fp32 wire, sparse int8 wire and int8 wire with every step
+# dense (the other SCAPE methods change only a density or the mask statistic).
+SMOKE_METHODS = (
+    "ddp_adamw",
+    "ddp_adams",
+    "ddp_bf16",
+    "ddp_powersgd",
+    "scape_default_d0.01",
+    "scape_default_int8_d0.025",
+    "scape_int8_dense",
+)
 
 # Three evaluations: loss 5 at 0 s, 3 at 5 s (step 2), 2 at 9 s (step 4); 10 bytes per step, 12 on the wire.
 CURVE = [
@@ -196,12 +207,14 @@ def test_command_line_budget_and_methods() -> None:
 
 @pytest.mark.dist
 def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
-    """Every method, 4 steps (SCAPE 6), validation every 2: outputs exist, targets computed, plots written, marked
-    loopback."""
+    """Every DDP method and one SCAPE method per code path, 4 steps (SCAPE 6), validation every 2: outputs exist,
+    targets computed, plots written, marked loopback."""
     cmd = [
         sys.executable,
         "-m",
         "benchmarks.network.time_to_loss",
+        "--methods",
+        ",".join(SMOKE_METHODS),
         "--loopback",
         "--model",
         "tiny",
@@ -236,7 +249,7 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
     assert "running on loopback WITHOUT any rate limit" in proc.stdout
 
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["emulated"] is False and results["methods"] == list(TTL_METHODS)
+    assert results["emulated"] is False and results["methods"] == list(SMOKE_METHODS)
     s = results["profiles"][0]["summary"]
     per = s["per_method"]
     ddp = per["ddp_adamw"]
@@ -247,14 +260,14 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
     # Same initial weights and batch: the first step's training loss is the same for every method.
     first = {round(p["train_loss"][0], 4) for p in per.values()}
     assert len(first) == 1, first
-    scape = [m for m in TTL_SCAPE_METHODS if m in SCAPE_BUDGET_METHODS]  # all but scape_int8_dense
+    scape = [m for m in SMOKE_METHODS if m in SCAPE_BUDGET_METHODS]  # SCAPE's budget: all but scape_int8_dense
     for name, p in per.items():
         budget = 6 if name in scape else 4  # --scape-steps: SCAPE trains longer, each method on its own cosine
         assert p["steps"] == budget and p["total_s"] > 0 and p["sent_bytes_run"] > 0, name
         assert [q["step"] for q in p["points"]] == list(range(0, budget + 1, 2)), name
         assert all(math.isfinite(q["loss"]) for q in p["points"]), name
         assert p["to_1.00_reached"] == math.isfinite(p["to_1.00_time_s"]), name
-    for name in TTL_SCAPE_METHODS:
+    for name in set(SMOKE_METHODS) & set(TTL_SCAPE_METHODS):
         assert per[name]["config"]["dense_warmup_steps"] == 2  # --scape-set reached the workers
         assert per[name]["config"]["catch_up_cap"] == ScapeConfig().catch_up_cap  # the rest: package defaults
     md = (tmp_path / "results.md").read_text()
@@ -264,7 +277,7 @@ def test_time_to_loss_smoke_on_loopback(tmp_path: Path) -> None:
     assert "```bash" not in headline  # pasted into the README: no bash block beside its set-up commands
     with open(tmp_path / "curves.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert len(rows) == 3 * (len(TTL_METHODS) - len(scape)) + 4 * len(scape)
+    assert len(rows) == 3 * (len(SMOKE_METHODS) - len(scape)) + 4 * len(scape)
     for png in ("loopback/val_loss_vs_time.png", "loopback/val_loss_vs_step.png"):
         assert (tmp_path / png).stat().st_size > 1000, png
 
