@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
 from typing import Any
 
 import pytest
 import torch
 from helpers import (
+    PYTHON,
+    child_env,
     gloo_mass_worker,
     gloo_run_worker,
     gloo_sliced_collectives_worker,
@@ -17,6 +21,7 @@ from helpers import (
 )
 
 from lightning_scape import ScapeConfig, simulate
+from lightning_scape.examples.workloads import free_port
 
 pytestmark = pytest.mark.dist
 
@@ -110,3 +115,66 @@ def test_gloo_collectives_in_slices_move_what_one_message_moves() -> None:
     # slice, the case of every small bucket, is what every other gloo test runs.)
     for out in run_gloo(3, gloo_sliced_collectives_worker, 20):
         assert out == {"reduce_scatter": True, "all_gather": True, "int16": True}
+
+
+# Rank 0 reaches its exit with an all-gather in flight that rank 1 launches a second later. The collective must be
+# waited on, and gloo's worker threads joined, before the interpreter finalizes: a gloo thread that frees the
+# collective's tensors then aborts the process (SIGABRT, "terminate called without an active exception"; 21 of 30
+# such pairs of processes without the exit hook, 0 of 30 with it), and without the wait rank 0 never holds rank
+# 1's values.
+_EXIT_WITH_A_COLLECTIVE_IN_FLIGHT = """
+import atexit, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from lightning_scape import ProcessGroupCommunicator
+rank, fail = int(sys.argv[1]), sys.argv[2] == "fail"
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+out = torch.zeros(2 * 1000)
+atexit.register(  # registered first, so it runs last
+    lambda: print(f"held at exit: {out.view(2, -1)[:, 0].tolist()}, groups left: {dist.is_initialized()}", flush=True)
+)
+if rank == 1:
+    time.sleep(30 if fail else 1)
+pending = ProcessGroupCommunicator(timeout_s=60).all_gather(out, torch.full((1000,), rank + 0.5))
+if fail:
+    raise ValueError("the training loop failed")
+"""
+
+
+def _launch_pair(mode: str) -> list[subprocess.Popen[str]]:
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return [
+        subprocess.Popen(
+            [PYTHON, "-c", _EXIT_WITH_A_COLLECTIVE_IN_FLIGHT, str(rank), mode],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+
+
+def test_a_process_waits_at_exit_for_its_collectives_in_flight() -> None:
+    procs = _launch_pair("ok")
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, stderr[-3000:]
+        # Waited on, and the process group destroyed (gloo's threads joined) before the interpreter finalizes.
+        assert "held at exit: [0.5, 1.5], groups left: False" in stdout, (stdout, stderr[-3000:])
+
+
+def test_a_failing_process_does_not_wait_at_exit() -> None:
+    rank0, rank1 = _launch_pair("fail")
+    t0 = time.monotonic()
+    try:
+        assert rank0.stdout is not None
+        held = rank0.stdout.readline()  # the last exit hook's line: the communicator's hook has returned
+        waited_s = time.monotonic() - t0
+    finally:
+        rank1.kill()  # gloo's own teardown of rank 0 waits for the collective until its peer is gone
+        rank1.communicate()
+    _, stderr = rank0.communicate(timeout=60)
+    assert rank0.returncode == 1 and "ValueError: the training loop failed" in stderr, stderr[-3000:]
+    assert held.startswith("held at exit:") and held.rstrip().endswith("groups left: True"), (held, stderr[-3000:])
+    assert waited_s < 20, "the failing rank waited at exit for a collective its peer never launched"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
+import sys
 import time
 from datetime import timedelta
 
@@ -10,6 +13,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_scape.comm.base import Pending
+
+log = logging.getLogger(__name__)
 
 # On gloo an all-to-all or all-gather sends each peer its part as one message, and back to back such collectives
 # lose the overlap of the two directions of a link: on a slow link SCAPE's dense step (all-to-all, then
@@ -26,6 +31,8 @@ class _TorchWork:
         self._name = name
         self._group_desc = group_desc
         self._timeout_s = timeout_s
+        if works:
+            IN_FLIGHT.add(self)
 
     def wait(self) -> None:
         if not self._works:
@@ -36,12 +43,59 @@ class _TorchWork:
                 if work is not None:
                     work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as exc:
+            IN_FLIGHT.failed = True
             raise RuntimeError(
                 f"SCAPE collective {self._name} on {self._group_desc} failed or timed out after "
                 f"{self._timeout_s:.0f}s: another rank probably died or stopped calling the same "
                 f"collectives. Underlying error: {exc}"
             ) from exc
+        finally:
+            IN_FLIGHT.discard(self)
         self._works = []
+
+
+class _InFlight:
+    """This process's collectives launched and not yet waited on, and what the process does at exit.
+
+    Tensors created in Python and handed to a gloo collective are freed by gloo's worker thread when it is the last
+    to hold them, and that takes the GIL. If this happens while the interpreter finalizes, the process aborts
+    ("terminate called without an active exception", SIGABRT) after a run that succeeded: for a collective still
+    in flight at exit (a Fabric script ends with its last step's mask all-gather in flight, as Fabric has no end
+    of run to wait at), and even for one waited on just before (the worker thread lets go of it after the wait
+    returns). So at exit, while the interpreter is whole, the process waits for its collectives in launch order
+    and destroys its process groups, which joins gloo's worker threads. A failing process (an uncaught exception,
+    or one of these collectives failed) does neither: its peers may never answer.
+    """
+
+    def __init__(self) -> None:
+        self.works: dict[int, _TorchWork] = {}  # in launch order
+        self.failed = False
+        self._at_exit_registered = False
+
+    def add(self, work: _TorchWork) -> None:
+        if not self._at_exit_registered:
+            atexit.register(self.finish_at_exit)
+            self._at_exit_registered = True
+        self.works[id(work)] = work
+
+    def discard(self, work: _TorchWork) -> None:
+        self.works.pop(id(work), None)
+
+    def finish_at_exit(self) -> None:
+        """Wait for every collective still in flight, in launch order, then destroy the process groups."""
+        exiting_on_error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if self.failed or exiting_on_error or not dist.is_initialized():
+            return
+        for work in list(self.works.values()):
+            try:
+                work.wait()
+            except RuntimeError as exc:  # the run itself is over: say so, and leave without waiting further
+                log.warning("lightning_scape: a collective still in flight when the process exited failed. %s", exc)
+                return
+        dist.destroy_process_group()
+
+
+IN_FLIGHT = _InFlight()
 
 
 class ProcessGroupCommunicator:
