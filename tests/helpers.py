@@ -147,7 +147,8 @@ def run_gloo(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: flo
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment for worker processes: one thread, no stray distributed variables, ``tests/`` importable."""
+    """The environment for worker processes: one thread, no stray distributed variables, ``tests/`` importable, and
+    Python's fault handler on (a process that aborts prints every thread's stack)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -155,7 +156,12 @@ def child_env(**extra: str) -> dict[str, str]:
             ("MASTER_", "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC", "PL_", "SLURM")
         )
     }
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=HERE + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONFAULTHANDLER="1",
+        PYTHONPATH=HERE + os.pathsep + env.get("PYTHONPATH", ""),
+    )
     env.update(extra)
     return env
 
