@@ -127,17 +127,20 @@ import atexit, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 from lightning_scape import ProcessGroupCommunicator
-rank, fail = int(sys.argv[1]), sys.argv[2] == "fail"
+rank, mode = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
 out = torch.zeros(2 * 1000)
 atexit.register(  # registered first, so it runs last
     lambda: print(f"held at exit: {out.view(2, -1)[:, 0].tolist()}, groups left: {dist.is_initialized()}", flush=True)
 )
 if rank == 1:
-    time.sleep(30 if fail else 1)
+    time.sleep(1 if mode == "ok" else 30)  # "fail", "abandon": rank 1 never launches the all-gather
 pending = ProcessGroupCommunicator(timeout_s=60).all_gather(out, torch.full((1000,), rank + 0.5))
-if fail:
+if mode == "fail":
     raise ValueError("the training loop failed")
+if mode == "abandon":  # what a strategy's teardown after a failure calls
+    from lightning_scape.comm import abandon_in_flight
+    abandon_in_flight()
 """
 
 
@@ -164,8 +167,9 @@ def test_a_process_waits_at_exit_for_its_collectives_in_flight() -> None:
         assert "held at exit: [0.5, 1.5], groups left: False" in stdout, (stdout, stderr[-3000:])
 
 
-def test_a_failing_process_does_not_wait_at_exit() -> None:
-    rank0, rank1 = _launch_pair("fail")
+@pytest.mark.parametrize("mode", ["fail", "abandon"])
+def test_a_failing_process_does_not_wait_at_exit(mode: str) -> None:
+    rank0, rank1 = _launch_pair(mode)
     t0 = time.monotonic()
     try:
         assert rank0.stdout is not None
@@ -175,6 +179,7 @@ def test_a_failing_process_does_not_wait_at_exit() -> None:
         rank1.kill()  # gloo's own teardown of rank 0 waits for the collective until its peer is gone
         rank1.communicate()
     _, stderr = rank0.communicate(timeout=60)
-    assert rank0.returncode == 1 and "ValueError: the training loop failed" in stderr, stderr[-3000:]
+    if mode == "fail":
+        assert rank0.returncode == 1 and "ValueError: the training loop failed" in stderr, stderr[-3000:]
     assert held.startswith("held at exit:") and held.rstrip().endswith("groups left: True"), (held, stderr[-3000:])
     assert waited_s < 20, "the failing rank waited at exit for a collective its peer never launched"

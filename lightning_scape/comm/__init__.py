@@ -1,7 +1,8 @@
 """Collectives used by the engine, behind one small interface, and the byte counters.
 
 * :mod:`~lightning_scape.comm.base`: :class:`Pending`, :class:`Communicator`, :class:`SoloCommunicator`;
-* :mod:`~lightning_scape.comm.process_group`: :class:`ProcessGroupCommunicator` (``torch.distributed``);
+* :mod:`~lightning_scape.comm.process_group`: :class:`ProcessGroupCommunicator` (``torch.distributed``), which
+  waits at exit for its collectives still in flight unless :func:`abandon_in_flight` says the run failed;
 * :mod:`~lightning_scape.comm.fault_naming`: :class:`FaultNamingCommunicator` (failures name the rank that
   stopped answering, from a heartbeat thread that :func:`stop_heartbeat` ends) and the timeout arithmetic of
   the Lightning strategies;
@@ -15,7 +16,7 @@
 from lightning_scape.comm.base import Communicator, Done, Pending, SoloCommunicator
 from lightning_scape.comm.counters import TRAFFIC_KINDS, ByteCounters, Traffic
 from lightning_scape.comm.fault_naming import FaultNamingCommunicator, make_communicator, stop_heartbeat
-from lightning_scape.comm.process_group import ProcessGroupCommunicator
+from lightning_scape.comm.process_group import ProcessGroupCommunicator, abandon_in_flight
 from lightning_scape.comm.thread_group import ThreadGroupCommunicator
 from lightning_scape.comm.wire import Wire, all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 
@@ -31,6 +32,7 @@ __all__ = [
     "ThreadGroupCommunicator",
     "Traffic",
     "Wire",
+    "abandon_in_flight",
     "all_gather_bytes",
     "all_reduce_bytes",
     "make_communicator",

@@ -64,7 +64,8 @@ class _InFlight:
     of run to wait at), and even for one waited on just before (the worker thread lets go of it after the wait
     returns). So at exit, while the interpreter is whole, the process waits for its collectives in launch order
     and destroys its process groups, which joins gloo's worker threads. A failing process (an uncaught exception,
-    or one of these collectives failed) does neither: its peers may never answer.
+    one of these collectives failed, or :func:`abandon_in_flight` was called) does neither: its peers may never
+    answer.
     """
 
     def __init__(self) -> None:
@@ -96,6 +97,12 @@ class _InFlight:
 
 
 IN_FLIGHT = _InFlight()
+
+
+def abandon_in_flight() -> None:
+    """Let this process exit without waiting for its collectives in flight: the run failed (a strategy's teardown
+    after an exception, which drops them too), and its peers may never answer them."""
+    IN_FLIGHT.failed = True
 
 
 class ProcessGroupCommunicator:

@@ -11,7 +11,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_scape.comm import make_communicator, stop_heartbeat
+from lightning_scape.comm import abandon_in_flight, make_communicator, stop_heartbeat
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
@@ -74,10 +74,12 @@ def close_engines(optimizers: Iterable[ScapeOptimizer], wait: bool) -> None:
     Args:
         optimizers: The run's SCAPE optimizers.
         wait: Wait for collectives still in flight; False after a failure (an engine whose own collective
-            failed waits for nothing either).
+            failed waits for nothing either), and then the process does not wait for them at exit either.
     """
     for opt in optimizers:
         opt.engine.close(wait=wait)
+    if not wait:
+        abandon_in_flight()  # nor at exit: a failed run's peers may never answer what is in flight
     # The heartbeat thread serves the run's collectives; a thread left running outlives the fit (a new set-up
     # starts it again).
     stop_heartbeat()
