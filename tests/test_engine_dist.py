@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import (
+    COMM_ONLY,
     PYTHON,
     child_env,
     gloo_mass_worker,
@@ -117,16 +118,18 @@ def test_gloo_collectives_in_slices_move_what_one_message_moves() -> None:
         assert out == {"reduce_scatter": True, "all_gather": True, "int16": True}
 
 
-# Rank 0 reaches its exit with an all-gather in flight that rank 1 launches a second later. The collective must be
+# Rank 0 reaches its exit with an all-gather in flight that rank 1 launches half a second later. The collective must be
 # waited on, and gloo's worker threads joined, before the interpreter finalizes: a gloo thread that frees the
 # collective's tensors then aborts the process (SIGABRT, "terminate called without an active exception"; 21 of 30
 # such pairs of processes without the exit hook, 0 of 30 with it), and without the wait rank 0 never holds rank
 # 1's values.
-_EXIT_WITH_A_COLLECTIVE_IN_FLIGHT = """
-import atexit, sys, time
+_EXIT_WITH_A_COLLECTIVE_IN_FLIGHT = (
+    COMM_ONLY
+    + """
+import atexit, time
 from datetime import timedelta
 import torch, torch.distributed as dist
-from lightning_scape import ProcessGroupCommunicator
+from lightning_scape.comm import ProcessGroupCommunicator, abandon_in_flight
 rank, mode = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
 out = torch.zeros(2 * 1000)
@@ -134,14 +137,14 @@ atexit.register(  # registered first, so it runs last
     lambda: print(f"held at exit: {out.view(2, -1)[:, 0].tolist()}, groups left: {dist.is_initialized()}", flush=True)
 )
 if rank == 1:
-    time.sleep(1 if mode == "ok" else 30)  # "fail", "abandon": rank 1 never launches the all-gather
+    time.sleep(0.5 if mode == "ok" else 30)  # "fail", "abandon": rank 1 never launches the all-gather
 pending = ProcessGroupCommunicator(timeout_s=60).all_gather(out, torch.full((1000,), rank + 0.5))
 if mode == "fail":
     raise ValueError("the training loop failed")
 if mode == "abandon":  # what a strategy's teardown after a failure calls
-    from lightning_scape.comm import abandon_in_flight
     abandon_in_flight()
 """
+)
 
 
 def _launch_pair(mode: str) -> list[subprocess.Popen[str]]:

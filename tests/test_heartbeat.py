@@ -7,15 +7,17 @@ import time
 
 import pytest
 import torch.distributed as dist
-from helpers import run_script
+from helpers import COMM_ONLY, run_script
 
 from lightning_scape.comm import stop_heartbeat
 from lightning_scape.comm.fault_naming import _Heartbeat
 
 # Many heartbeats beating without pause and an exit at a random moment: without the stop at exit, a thread
 # still inside a store call while the interpreter finalizes aborts the process (SIGABRT, "terminate called
-# without an active exception"); measured in 18 of 40 such processes with 8 heartbeats.
-_EXIT_WHILE_BEATING = """
+# without an active exception"); measured in 26 of 30 such processes.
+_EXIT_WHILE_BEATING = (
+    COMM_ONLY
+    + """
 import random, time
 import torch.distributed as dist
 from lightning_scape.comm.fault_naming import _Heartbeat
@@ -25,11 +27,12 @@ for hb in beats:
     hb.interval_s = 0.0
 time.sleep(random.random() * 0.05)
 """
+)
 
 
 @pytest.mark.dist
 def test_a_process_exits_cleanly_while_its_heartbeats_beat() -> None:
-    for _ in range(6):  # P(all six pass) with the bug present is below 1%
+    for _ in range(3):  # P(all three pass) with the bug present is below 1%
         run_script(["-c", _EXIT_WHILE_BEATING], timeout_s=60)
 
 
