@@ -20,7 +20,8 @@ class AdamSHyper:
         beta2: Weight b2 of the momentum in the second-moment term.
         eps: Denominator epsilon.
         weight_decay: Decoupled weight decay wd (``theta *= 1 - lr * wd``).
-        bias_correction: Divide the momenta by ``1 - b1**t``.
+        bias_correction: Divide the new momentum by ``1 - b1**t`` and the previous one by ``1 - b1**(t-1)``; at
+            t = 1, where there is no previous momentum, the second-moment term is ``g**2`` alone.
         catch_up_cap: Sparse steps: a coordinate sent after tau steps moves by at most ``min(tau, catch_up_cap)``
             steps' worth of this step's learning rate (``kernels/sparse_adams.py``).
     """
@@ -38,6 +39,24 @@ class AdamSHyper:
     def bias_c(self) -> float:
         """c = ``1 - b1**t`` (1 without bias correction), computed in Python (fp64)."""
         return 1.0 - self.beta1**self.step if self.bias_correction else 1.0
+
+    @property
+    def prev_c(self) -> float:
+        """c' = ``1 - b1**(t-1)``, the bias correction of the previous momentum (1 at t = 1, where that momentum is
+        zero, and without bias correction)."""
+        if not self.bias_correction or self.step <= 1:
+            return 1.0
+        return 1.0 - self.beta1 ** (self.step - 1)
+
+    @property
+    def nu_beta2(self) -> float:
+        """The weight of the previous momentum in the second-moment term: b2, or 0 at the first bias-corrected step.
+
+        At t = 1 there is no previous momentum to weigh: ``nu = g**2``, so the first step moves every coordinate
+        by the learning rate, as Adam's does (with b2's weight on a zero momentum it would move by
+        ``lr / sqrt(1 - b2)``: 31.6 lr at b2 = 0.999).
+        """
+        return 0.0 if self.bias_correction and self.step <= 1 else self.beta2
 
     @property
     def decay(self) -> float:

@@ -1,8 +1,8 @@
 """Dense AdamS on a flat tensor (the dense warm-up, and the AdamS optimizer).
 
-c     = 1 - b1**t (or 1)
+c     = 1 - b1**t,  c' = 1 - b1**(t-1)   (both 1 without bias correction)
 theta = theta * (1 - lr * wd)
-nu    = b2 * (m / c)**2 + (1 - b2) * g**2
+nu    = b2 * (m / c')**2 + (1 - b2) * g**2      (g**2 alone at t = 1 with bias correction: no m yet)
 m     = b1 * m + (1 - b1) * g
 theta = theta - lr * (m / c) / (sqrt(nu) + eps)
 """
@@ -35,15 +35,15 @@ def dense_adams_ref(
     """
     h = hyper
     sdt = momentum.dtype
-    c = h.bias_c
+    c, b2 = h.bias_c, h.nu_beta2
     theta = param if param.dtype == sdt else param.to(sdt)
     if h.weight_decay != 0.0:
         theta.mul_(h.decay)
-    nu = (momentum / c).square_().mul_(h.beta2)
+    nu = (momentum / h.prev_c).square_().mul_(b2)
     momentum.mul_(h.beta1)
     if grad is not None:
         g = grad.to(sdt)
-        nu.add_(g.square(), alpha=1.0 - h.beta2)
+        nu.add_(g.square(), alpha=1.0 - b2)
         momentum.add_(g, alpha=1.0 - h.beta1)
     theta.addcdiv_(momentum, nu.sqrt_().add_(h.eps), value=-h.lr / c)
     if theta is not param:
@@ -78,7 +78,7 @@ if HAS_TRITON:
         mom_ptr: tl.tensor,
         grad_ptr: tl.tensor,
         n: tl.tensor,
-        c: tl.tensor,
+        c_prev: tl.tensor,
         beta1: tl.tensor,
         one_minus_b1: tl.tensor,
         beta2: tl.tensor,
@@ -95,7 +95,7 @@ if HAS_TRITON:
         m_prev = tl.load(mom_ptr + offs, mask=live, other=0.0)
         # Same order and fused multiply-adds as the ref (add_(x, alpha=a) is one fma in PyTorch); IEEE
         # division and sqrt (PyTorch's CPU sqrt is not correctly rounded: last-bit differences remain).
-        mc = tl.div_rn(m_prev, c)
+        mc = tl.div_rn(m_prev, c_prev)
         nu = mc * mc * beta2
         m = m_prev * beta1
         if HAS_GRAD:
@@ -143,11 +143,11 @@ def dense_adams_triton(
         # Never read when HAS_GRAD is False; any pointer of the right device keeps the signature fixed.
         momentum if grad is None else grad,
         n,
-        float(c),
+        float(h.prev_c),
         float(h.beta1),
         1.0 - h.beta1,
-        float(h.beta2),
-        1.0 - h.beta2,
+        float(h.nu_beta2),
+        1.0 - h.nu_beta2,
         float(h.eps),
         # The ref skips the multiply when wd == 0; multiplying by exactly 1.0 changes nothing.
         h.decay,

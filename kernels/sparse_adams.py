@@ -2,10 +2,11 @@
 
 A coordinate sent at step t was last sent tau = t - last_sent[j] >= 1 steps ago, and g is the average over
 ranks of its accumulated gradient. The update moves it as dense AdamS would have over those tau steps had
-the gradient arrived evenly (mean gm = g / tau per step). With c = 1 - b1**t (or 1) and m = m[j]:
+the gradient arrived evenly (mean gm = g / tau per step). With c = 1 - b1**t and c' = 1 - b1**(t-1) (both 1
+without bias correction; dense AdamS's, ``dense_adams.py``) and m = m[j]:
 
-    v     = max(g**2 / tau - (tau - 1) (m / c)**2, gm**2)      per-step second moment of the interval
-    nu    = b2 (m / c)**2 + (1 - b2) v
+    v     = max(g**2 / tau - (tau - 1) (m / c')**2, gm**2)     per-step second moment of the interval
+    nu    = b2 (m / c')**2 + (1 - b2) v                         (v alone at t = 1: AdamS's first step)
     a     = b1**tau,  A = b1 (1 - a) / (1 - b1)                 A: steps of movement left in the old m
     m[j]  = a m + (1 - a) gm
     d     = (A m + (tau - A) gm) / c / (sqrt(nu) + eps)         dense AdamS's steps, summed over the interval
@@ -103,28 +104,36 @@ def sparse_adams(
 def interval_bound_per_step(h: AdamSHyper) -> float:
     """B: the most dense AdamS moves a coordinate in one step, in units of the learning rate.
 
-    Cauchy-Schwarz on its update gives ``B = sqrt(b1^2 / b2 + (1 - b1)^2 / (c^2 (1 - b2)))``: 1.026 with the
-    default betas once the bias correction c is 1. The interval update moves by at most ``min(tau, cap) B``:
-    a coordinate frozen for tau steps keeps seeing the gradient of where it stopped, so a long interval
-    would overshoot where dense AdamS, re-reading the gradient every step, stops.
+    Its update is ``(a m / c' + e g) / sqrt(b2 (m / c')^2 + (1 - b2) g^2)`` with ``a = b1 c' / c`` and
+    ``e = (1 - b1) / c``; Cauchy-Schwarz gives ``B = sqrt(a^2 / b2 + e^2 / (1 - b2))``: 1.026 with the betas
+    (0.9, 0.95) once the bias corrections are 1, and 1 at the first step (no momentum yet, ``nu = g^2``). The
+    interval update moves by at most ``min(tau, cap) B``: a coordinate frozen for tau steps keeps seeing the
+    gradient of where it stopped, so a long interval would overshoot where dense AdamS, re-reading the
+    gradient every step, stops.
     """
-    c = h.bias_c
-    return (h.beta1**2 / h.beta2 + (1.0 - h.beta1) ** 2 / (c * c * (1.0 - h.beta2))) ** 0.5
+    c, b1, b2 = h.bias_c, h.beta1, h.nu_beta2
+    e = (1.0 - b1) / c
+    if h.step <= 1 or b1 == 0.0:  # no previous momentum to move along
+        return abs(e) / (1.0 - b2) ** 0.5
+    if b2 == 0.0:  # nu = g^2: a gradient near zero leaves the momentum's step unbounded
+        return math.inf
+    a = b1 * h.prev_c / c
+    return (a * a / b2 + e * e / (1.0 - b2)) ** 0.5
 
 
 def _adams_step(m_prev: Tensor, g: Tensor, h: AdamSHyper) -> tuple[Tensor, Tensor]:
     """One AdamS step from ``g``: the new momentum and the update in units of the learning rate."""
-    c = h.bias_c
-    nu = (m_prev / c).square_().mul_(h.beta2).add_(g.square(), alpha=1.0 - h.beta2)
+    c, b2 = h.bias_c, h.nu_beta2
+    nu = (m_prev / h.prev_c).square_().mul_(b2).add_(g.square(), alpha=1.0 - b2)
     m = m_prev.mul(h.beta1).add_(g, alpha=1.0 - h.beta1)
     return m, (m / c).div_(nu.sqrt_().add_(h.eps))
 
 
 def _interval_update(m_prev: Tensor, g: Tensor, tau: Tensor, h: AdamSHyper) -> tuple[Tensor, Tensor]:
     """The new momentum and the displacement (in units of the learning rate) of the interval update."""
-    c, b1, b2 = h.bias_c, h.beta1, h.beta2
+    c, b1, b2 = h.bias_c, h.beta1, h.nu_beta2
     gm = g / tau  # the mean gradient of the interval
-    mp = m_prev / c
+    mp = m_prev / h.prev_c
     # Per-step second moment: E[g^2] = mean^2 + noise; the accumulated g alone over-states it by
     # (tau - 1) mean^2 for a steady coordinate, which the momentum (the mean before the interval) removes.
     v = torch.maximum(g.square().div_(tau).sub_(mp.square().mul_(tau - 1)), gm.square())
@@ -151,6 +160,7 @@ if HAS_TRITON:
         k: tl.tensor,
         step: tl.tensor,
         c: tl.tensor,
+        c_prev: tl.tensor,
         beta1: tl.tensor,
         one_minus_b1: tl.tensor,
         beta2: tl.tensor,
@@ -177,7 +187,7 @@ if HAS_TRITON:
         tau = (step - last).to(tl.float32)
         # AdamS's step (tau = 1): the ref's operations in its order, with its fused multiply-adds (its
         # add_(x, alpha=a) is one fma on CPU and CUDA); IEEE division and sqrt like PyTorch's.
-        mc = tl.div_rn(m_prev, c)
+        mc = tl.div_rn(m_prev, c_prev)
         nu = tl.fma(g * g, one_minus_b2, mc * mc * beta2)
         m_one = tl.fma(g, one_minus_b1, m_prev * beta1)
         d_one = tl.div_rn(tl.div_rn(m_one, c), tl.sqrt_rn(nu) + eps)
@@ -256,10 +266,11 @@ def sparse_adams_triton(
         k,
         int(h.step),
         float(h.bias_c),
+        float(h.prev_c),
         float(h.beta1),
         1.0 - h.beta1,
-        float(h.beta2),
-        1.0 - h.beta2,
+        float(h.nu_beta2),
+        1.0 - h.nu_beta2,
         float(h.eps),
         h.decay,
         -float(h.lr),

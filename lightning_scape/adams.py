@@ -2,9 +2,11 @@
 
 AdamS keeps one state tensor, the first moment m. Its second-moment term is
 
-    nu = b2 * (m_prev / c)**2 + (1 - b2) * g**2,   c = 1 - b1**t (bias correction),
+    nu = b2 * (m_prev / c')**2 + (1 - b2) * g**2,   c' = 1 - b1**(t-1) (bias correction),
 
-so it needs no exp_avg_sq: half of Adam's optimizer memory. It takes AdamW's hyperparameters unchanged.
+and ``g**2`` alone at the first step, where there is no previous momentum. So it needs no exp_avg_sq (half of
+Adam's optimizer memory), and its first step moves every coordinate by the learning rate, as Adam's does. It
+takes AdamW's hyperparameters unchanged.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ class AdamS(Optimizer):
         eps: Denominator epsilon; raise to 1e-6 for bf16-heavy runs where nu underflows.
         weight_decay: Decoupled weight decay (``theta *= 1 - lr * wd``); 0.1 is the LLM default, use 0 for
             norms and biases through a separate param group.
-        bias_correction: Divide the momenta by ``1 - b1**t``, as the authors' public code does. Turn off
-            only to reproduce the paper's text.
+        bias_correction: Divide each momentum by the bias correction of its own step (the new one by
+            ``1 - b1**t``, the previous one by ``1 - b1**(t-1)``; at the first step the second-moment term is
+            ``g**2``). Turn off only to reproduce the paper's text, whose first steps are ``(1 - b1) /
+            sqrt(1 - b2)`` times the learning rate (3.2x at b2 = 0.999).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)

@@ -25,10 +25,12 @@ def spec_adams(
 ) -> tuple[list[float], list[float]]:
     """The spec's formula with Python floats, one coordinate at a time."""
     c = 1 - b1**t if bias_correction else 1.0
+    c_prev = 1 - b1 ** (t - 1) if bias_correction and t > 1 else 1.0
+    w = 0.0 if bias_correction and t == 1 else b2  # no previous momentum at t = 1: nu = g^2
     new_theta, new_m = [], []
     for th, mp, gi in zip(theta, m, g, strict=True):
         th = th * (1 - lr * wd)
-        nu = b2 * (mp / c) ** 2 + (1 - b2) * gi**2
+        nu = w * (mp / c_prev) ** 2 + (1 - w) * gi**2
         mn = b1 * mp + (1 - b1) * gi
         th = th - lr * (mn / c) / (math.sqrt(nu) + eps)
         new_theta.append(th)
@@ -51,13 +53,39 @@ def test_matches_the_spec_formula_over_steps(bias_correction: bool) -> None:
         assert opt.state[p]["exp_avg"].tolist() == pytest.approx(m, rel=1e-12, abs=1e-14)
 
 
-def test_first_step_size_is_about_lr_over_sqrt_one_plus() -> None:
-    # Hand-worked: t=1, m_prev=0, g=2: nu = (1-b2) g^2 = 0.05*4 = 0.2, m = 0.1*2 = 0.2, c = 0.1,
-    # step = lr * (0.2/0.1) / (sqrt(0.2) + 0) = lr * 2 / 0.4472 = 4.472 lr.
+@pytest.mark.parametrize("b2", [0.95, 0.999])
+def test_the_first_step_moves_every_coordinate_by_the_learning_rate_as_adam(b2: float) -> None:
+    # Hand-worked: t=1, m_prev=0, g=(2, -0.5): nu = g^2 (no previous momentum), m = 0.1 g, c = 0.1,
+    # step = lr * (m/c) / |g| = lr * sign(g), whatever b2 (with b2's weight on the zero momentum it would be
+    # lr / sqrt(1 - b2): 4.47 lr at 0.95, 31.6 lr at 0.999). torch's Adam moves by lr too.
+    p = torch.nn.Parameter(torch.tensor([1.0, 1.0], dtype=torch.float64))
+    q = torch.nn.Parameter(p.detach().clone())
+    p.grad = torch.tensor([2.0, -0.5], dtype=torch.float64)
+    q.grad = p.grad.clone()
+    AdamS([p], lr=0.01, betas=(0.9, b2), eps=0.0, weight_decay=0.0).step()
+    torch.optim.Adam([q], lr=0.01, betas=(0.9, b2), eps=0.0).step()
+    assert p.tolist() == pytest.approx([0.99, 1.01], rel=1e-12)
+    assert p.tolist() == pytest.approx(q.tolist(), rel=1e-12)
+
+
+def test_the_second_step_weighs_the_first_momentum_at_its_own_bias_correction() -> None:
+    # Hand-worked: g1 = g2 = 1, b1 = 0.9, b2 = 0.95. After step 1, m = 0.1. Step 2: c' = 1 - 0.9 = 0.1, so the
+    # previous momentum stands for m / c' = 1 = g1: nu = 0.95 * 1 + 0.05 * 1 = 1; m = 0.09 + 0.1 = 0.19, c = 0.19:
+    # the step is lr * 1 / 1 = lr again, as Adam's on a constant gradient.
+    p = torch.nn.Parameter(torch.tensor([0.0], dtype=torch.float64))
+    opt = AdamS([p], lr=0.01, eps=0.0, weight_decay=0.0)
+    for _ in range(2):
+        p.grad = torch.tensor([1.0], dtype=torch.float64)
+        opt.step()
+    assert p.item() == pytest.approx(-0.02, rel=1e-12)
+
+
+def test_without_bias_correction_the_first_step_is_the_papers_text() -> None:
+    # nu = b2 * 0 + (1 - b2) g^2, m = (1 - b1) g: the step is lr (1 - b1) / sqrt(1 - b2) = 0.4472 lr at (0.9, 0.95).
     p = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
     p.grad = torch.tensor([2.0], dtype=torch.float64)
-    AdamS([p], lr=0.01, eps=0.0, weight_decay=0.0).step()
-    assert p.item() == pytest.approx(1.0 - 0.01 * 2 / math.sqrt(0.2), rel=1e-12)
+    AdamS([p], lr=0.01, eps=0.0, weight_decay=0.0, bias_correction=False).step()
+    assert p.item() == pytest.approx(1.0 - 0.01 * 0.1 / math.sqrt(0.05), rel=1e-12)
 
 
 def test_param_groups_use_their_own_hyperparameters_and_skip_params_without_grad() -> None:
@@ -68,9 +96,8 @@ def test_param_groups_use_their_own_hyperparameters_and_skip_params_without_grad
     a.grad = torch.ones(3)
     b.grad = torch.ones(3)
     opt.step()
-    # First step with g=1: the Adam direction is exactly 1 / (sqrt(1 - b2) / (1 - b2)^0 ...) -> see spec:
-    # c = 0.1, m = 0.1, nu = 0.05, step = lr * 1 / sqrt(0.05).
-    unit = 1 / math.sqrt(0.05)
+    # First step with g=1: c = 0.1, m = 0.1, nu = g^2 = 1, step = lr * (0.1 / 0.1) / 1 = lr.
+    unit = 1.0
     assert a.detach() == pytest.approx(torch.full((3,), 1 * (1 - 0.01 * 0.1) - 0.01 * unit), rel=1e-5)
     assert b.detach() == pytest.approx(torch.full((3,), 1 - 0.1 * unit), rel=1e-5)
     assert torch.equal(unused.detach(), torch.ones(3)) and unused not in opt.state

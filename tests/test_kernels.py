@@ -134,26 +134,30 @@ def _tol(dtype: torch.dtype) -> tuple[float, float]:
     return (1e-5, 1e-6) if dtype == torch.float32 else (8e-3, 1e-5)
 
 
-@pytest.mark.parametrize("options", [{"catch_up_cap": 6.0}, {"catch_up_cap": 2.0, "bias_correction": False}],
-                         ids=["cap6", "cap2-no-bias-correction"])  # fmt: skip
+@pytest.mark.parametrize("options", [{"catch_up_cap": 6.0}, {"catch_up_cap": 2.0, "bias_correction": False},
+                                     {"catch_up_cap": 6.0, "step": 1}],
+                         ids=["cap6", "cap2-no-bias-correction", "first-step"])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_sparse_adams_matches_ref(
-    shape: tuple[int, int], density: float, dtype: torch.dtype, options: dict[str, bool]
+    shape: tuple[int, int], density: float, dtype: torch.dtype, options: dict[str, float]
 ) -> None:
     rows, C = shape
     k = slots(density, C)
     n = rows * C
     gen = torch.Generator().manual_seed(n + k)
     param = torch.randn(n, generator=gen).to(dtype)
-    m = torch.randn(n, generator=gen) * 0.01
-    last = torch.randint(0, 12, (n,), generator=gen, dtype=torch.int32)
+    step = int(options.get("step", 13))
+    m = torch.randn(n, generator=gen) * 0.01 if step > 1 else torch.zeros(n)
+    last = (
+        torch.randint(0, step - 1, (n,), generator=gen, dtype=torch.int32)
+        if step > 1
+        else torch.zeros(n, dtype=torch.int32)
+    )
     gbar = (torch.randn(rows * k, generator=gen) * 0.1).to(dtype)
     mask = random_mask(rows, C, k, gen)
-    hyper = K.AdamSHyper(
-        step=13, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, **options,
-    )  # fmt: skip
+    hyper = K.AdamSHyper(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, **{"step": step, **options})
     m_ref, last_ref, out_ref = m.clone(), last.clone(), torch.empty(rows * k, dtype=dtype)
     out = torch.empty(rows * k, dtype=dtype)
     K.sparse_adams_ref(param, m_ref, last_ref, gbar, mask, C, out_ref, hyper)
@@ -168,15 +172,16 @@ def test_sparse_adams_matches_ref(
 # ---------------------------------------------------------------- dense AdamS
 
 
+@pytest.mark.parametrize("step", [1, 5])  # 1: no previous momentum, nu = g^2
 @pytest.mark.parametrize("with_grad", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 1000, 3 * 1024 + 5])
-def test_dense_adams_matches_ref(n: int, dtype: torch.dtype, with_grad: bool) -> None:
+def test_dense_adams_matches_ref(n: int, dtype: torch.dtype, with_grad: bool, step: int) -> None:
     gen = torch.Generator().manual_seed(n)
     param = torch.randn(n, generator=gen).to(dtype)
-    m = torch.randn(n, generator=gen) * 0.01
+    m = torch.randn(n, generator=gen) * 0.01 if step > 1 else torch.zeros(n)
     grad = torch.randn(n, generator=gen).to(dtype) if with_grad else None
-    hyper = K.AdamSHyper(step=5, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, bias_correction=True)
+    hyper = K.AdamSHyper(step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
     p_ref, m_ref = param.clone(), m.clone()
     K.dense_adams_ref(p_ref, m_ref, grad, hyper)
     K.dense_adams_triton(param, m, grad, hyper)
