@@ -20,8 +20,9 @@ class AdamSHyper:
         beta2: Weight b2 of the momentum in the second-moment term.
         eps: Denominator epsilon.
         weight_decay: Decoupled weight decay wd (``theta *= 1 - lr * wd``).
-        bias_correction: Divide the new momentum by ``1 - b1**t`` and the previous one by ``1 - b1**(t-1)``; at
-            t = 1, where there is no previous momentum, the second-moment term is ``g**2`` alone.
+        bias_correction: Divide the new momentum by ``1 - b1**t`` and the previous one by ``1 - b1**(t-1)``, and
+            weigh the previous one in the second-moment term by :attr:`nu_beta2` (as Adam bias-corrects its
+            second moment), not by b2.
         catch_up_cap: Sparse steps: a coordinate sent after tau steps moves by at most ``min(tau, catch_up_cap)``
             steps' worth of this step's learning rate (``kernels/sparse_adams.py``).
     """
@@ -50,13 +51,17 @@ class AdamSHyper:
 
     @property
     def nu_beta2(self) -> float:
-        """The weight of the previous momentum in the second-moment term: b2, or 0 at the first bias-corrected step.
+        """b2_t, the weight of the previous momentum in the second-moment term: ``b2 (1 - b2**(t-1)) / (1 - b2**t)``.
 
-        At t = 1 there is no previous momentum to weigh: ``nu = g**2``, so the first step moves every coordinate
-        by the learning rate, as Adam's does (with b2's weight on a zero momentum it would move by
-        ``lr / sqrt(1 - b2)``: 31.6 lr at b2 = 0.999).
+        Adam's bias-corrected second moment weighs the newest ``g**2`` by ``(1 - b2) / (1 - b2**t)`` and its previous
+        estimate by the rest; AdamS, whose previous estimate is the squared momentum, weighs them the same way. So
+        the first step (b2_1 = 0, ``nu = g**2``) moves every coordinate by the learning rate, as Adam's does, and
+        early steps follow a growing gradient as Adam's do; b2_t tends to b2. Without bias correction: b2.
         """
-        return 0.0 if self.bias_correction and self.step <= 1 else self.beta2
+        if not self.bias_correction:
+            return self.beta2
+        b2, t = self.beta2, self.step
+        return b2 * (1.0 - b2 ** (t - 1)) / (1.0 - b2**t)
 
     @property
     def decay(self) -> float:

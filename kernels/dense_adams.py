@@ -1,8 +1,8 @@
 """Dense AdamS on a flat tensor (the dense warm-up, and the AdamS optimizer).
 
-c     = 1 - b1**t,  c' = 1 - b1**(t-1)   (both 1 without bias correction)
+c     = 1 - b1**t,  c' = 1 - b1**(t-1),  b2_t = b2 (1 - b2**(t-1)) / (1 - b2**t)   (1, 1, b2 without bias correction)
 theta = theta * (1 - lr * wd)
-nu    = b2 * (m / c')**2 + (1 - b2) * g**2      (g**2 alone at t = 1 with bias correction: no m yet)
+nu    = b2_t * (m / c')**2 + (1 - b2_t) * g**2      (b2_1 = 0: g**2 alone at the first step)
 m     = b1 * m + (1 - b1) * g
 theta = theta - lr * (m / c) / (sqrt(nu) + eps)
 """

@@ -2,11 +2,11 @@
 
 A coordinate sent at step t was last sent tau = t - last_sent[j] >= 1 steps ago, and g is the average over
 ranks of its accumulated gradient. The update moves it as dense AdamS would have over those tau steps had
-the gradient arrived evenly (mean gm = g / tau per step). With c = 1 - b1**t and c' = 1 - b1**(t-1) (both 1
-without bias correction; dense AdamS's, ``dense_adams.py``) and m = m[j]:
+the gradient arrived evenly (mean gm = g / tau per step). With dense AdamS's c, c' and b2_t (``dense_adams.py``)
+and m = m[j]:
 
     v     = max(g**2 / tau - (tau - 1) (m / c')**2, gm**2)     per-step second moment of the interval
-    nu    = b2 (m / c')**2 + (1 - b2) v                         (v alone at t = 1: AdamS's first step)
+    nu    = b2_t (m / c')**2 + (1 - b2_t) v
     a     = b1**tau,  A = b1 (1 - a) / (1 - b1)                 A: steps of movement left in the old m
     m[j]  = a m + (1 - a) gm
     d     = (A m + (tau - A) gm) / c / (sqrt(nu) + eps)         dense AdamS's steps, summed over the interval
@@ -104,9 +104,9 @@ def sparse_adams(
 def interval_bound_per_step(h: AdamSHyper) -> float:
     """B: the most dense AdamS moves a coordinate in one step, in units of the learning rate.
 
-    Its update is ``(a m / c' + e g) / sqrt(b2 (m / c')^2 + (1 - b2) g^2)`` with ``a = b1 c' / c`` and
-    ``e = (1 - b1) / c``; Cauchy-Schwarz gives ``B = sqrt(a^2 / b2 + e^2 / (1 - b2))``: 1.026 with the betas
-    (0.9, 0.95) once the bias corrections are 1, and 1 at the first step (no momentum yet, ``nu = g^2``). The
+    Its update is ``(a m / c' + e g) / sqrt(b2_t (m / c')^2 + (1 - b2_t) g^2)`` with ``a = b1 c' / c`` and
+    ``e = (1 - b1) / c``; Cauchy-Schwarz gives ``B = sqrt(a^2 / b2_t + e^2 / (1 - b2_t))``: 1.026 with the betas
+    (0.9, 0.95) once the bias corrections are done, and 1 at the first step (no momentum yet, ``nu = g^2``). The
     interval update moves by at most ``min(tau, cap) B``: a coordinate frozen for tau steps keeps seeing the
     gradient of where it stopped, so a long interval would overshoot where dense AdamS, re-reading the
     gradient every step, stops.

@@ -2,11 +2,12 @@
 
 AdamS keeps one state tensor, the first moment m. Its second-moment term is
 
-    nu = b2 * (m_prev / c')**2 + (1 - b2) * g**2,   c' = 1 - b1**(t-1) (bias correction),
+    nu = b2_t * (m_prev / c')**2 + (1 - b2_t) * g**2,   c' = 1 - b1**(t-1),   b2_t = b2 (1 - b2**(t-1)) / (1 - b2**t),
 
-and ``g**2`` alone at the first step, where there is no previous momentum. So it needs no exp_avg_sq (half of
-Adam's optimizer memory), and its first step moves every coordinate by the learning rate, as Adam's does. It
-takes AdamW's hyperparameters unchanged.
+the squared previous momentum standing in for Adam's previous second-moment estimate, weighed as Adam's bias
+correction weighs it (b2_1 = 0: the first step moves every coordinate by the learning rate, as Adam's does; b2_t
+tends to b2). So it needs no exp_avg_sq, half of Adam's optimizer memory, and takes AdamW's hyperparameters
+unchanged.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ class AdamS(Optimizer):
         weight_decay: Decoupled weight decay (``theta *= 1 - lr * wd``); 0.1 is the LLM default, use 0 for
             norms and biases through a separate param group.
         bias_correction: Divide each momentum by the bias correction of its own step (the new one by
-            ``1 - b1**t``, the previous one by ``1 - b1**(t-1)``; at the first step the second-moment term is
-            ``g**2``). Turn off only to reproduce the paper's text, whose first steps are ``(1 - b1) /
-            sqrt(1 - b2)`` times the learning rate (3.2x at b2 = 0.999).
+            ``1 - b1**t``, the previous one by ``1 - b1**(t-1)``) and weigh the previous one by b2_t, as Adam
+            corrects its moments. Turn off only to reproduce the paper's text: its normaliser then weighs the
+            zero momentum of the first step by b2, and the first steps move by up to ``(1 - b1) / sqrt(1 - b2)``
+            times the learning rate (3.2x at b2 = 0.999).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)

@@ -26,7 +26,8 @@ def spec_adams(
     """The spec's formula with Python floats, one coordinate at a time."""
     c = 1 - b1**t if bias_correction else 1.0
     c_prev = 1 - b1 ** (t - 1) if bias_correction and t > 1 else 1.0
-    w = 0.0 if bias_correction and t == 1 else b2  # no previous momentum at t = 1: nu = g^2
+    # The previous momentum's weight, as Adam's bias-corrected second moment weighs its previous estimate (0 at t = 1).
+    w = b2 * (1 - b2 ** (t - 1)) / (1 - b2**t) if bias_correction else b2
     new_theta, new_m = [], []
     for th, mp, gi in zip(theta, m, g, strict=True):
         th = th * (1 - lr * wd)
@@ -68,16 +69,24 @@ def test_the_first_step_moves_every_coordinate_by_the_learning_rate_as_adam(b2: 
     assert p.tolist() == pytest.approx(q.tolist(), rel=1e-12)
 
 
-def test_the_second_step_weighs_the_first_momentum_at_its_own_bias_correction() -> None:
-    # Hand-worked: g1 = g2 = 1, b1 = 0.9, b2 = 0.95. After step 1, m = 0.1. Step 2: c' = 1 - 0.9 = 0.1, so the
-    # previous momentum stands for m / c' = 1 = g1: nu = 0.95 * 1 + 0.05 * 1 = 1; m = 0.09 + 0.1 = 0.19, c = 0.19:
-    # the step is lr * 1 / 1 = lr again, as Adam's on a constant gradient.
+def test_the_second_step_weighs_the_first_momentum_and_the_gradient_as_adam_weighs_its_two_squares() -> None:
+    # Hand-worked: g1 = 1, g2 = 3, b1 = 0.9, b2 = 0.999. After step 1, m = 0.1 (and theta = -lr). Step 2:
+    # c' = 0.1, so the previous momentum stands for m / c' = 1 = g1; b2_2 = b2 (1 - b2) / (1 - b2^2) = b2 / (1 + b2),
+    # nu = (b2 * 1 + 1 * 9) / (1 + b2) = 9.999 / 1.999, exactly Adam's bias-corrected second moment here;
+    # m = 0.09 + 0.3 = 0.39, c = 0.19. (With b2's weight, nu = 0.999 + 0.009: a step 1.58x as long.)
+    b2 = 0.999
     p = torch.nn.Parameter(torch.tensor([0.0], dtype=torch.float64))
-    opt = AdamS([p], lr=0.01, eps=0.0, weight_decay=0.0)
-    for _ in range(2):
-        p.grad = torch.tensor([1.0], dtype=torch.float64)
+    q = torch.nn.Parameter(torch.tensor([0.0], dtype=torch.float64))
+    opt = AdamS([p], lr=0.01, betas=(0.9, b2), eps=0.0, weight_decay=0.0)
+    adam = torch.optim.Adam([q], lr=0.01, betas=(0.9, b2), eps=0.0)
+    for g in (1.0, 3.0):
+        p.grad = torch.tensor([g], dtype=torch.float64)
+        q.grad = p.grad.clone()
         opt.step()
-    assert p.item() == pytest.approx(-0.02, rel=1e-12)
+        adam.step()
+    second = 0.01 * (0.39 / 0.19) / math.sqrt((b2 + 9) / (1 + b2))
+    assert p.item() == pytest.approx(-0.01 - second, rel=1e-12)
+    assert p.item() == pytest.approx(q.item(), rel=1e-12)
 
 
 def test_without_bias_correction_the_first_step_is_the_papers_text() -> None:

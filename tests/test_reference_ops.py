@@ -99,8 +99,8 @@ def test_a_coordinate_sent_again_at_once_takes_one_adams_step_and_only_the_slots
     hyper = AdamSHyper(step=t, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, catch_up_cap=4.0)
     sparse_adams_ref(param, m, last, torch.tensor([6.0], dtype=torch.float64), torch.tensor([[1]], dtype=torch.int16),
                      4, out, hyper)  # fmt: skip
-    c, c_prev = 1 - b1**t, 1 - b1 ** (t - 1)
-    nu = b2 * (-0.5 / c_prev) ** 2 + (1 - b2) * 6.0**2
+    c, c_prev, b2_t = 1 - b1**t, 1 - b1 ** (t - 1), b2 * (1 - b2 ** (t - 1)) / (1 - b2**t)
+    nu = b2_t * (-0.5 / c_prev) ** 2 + (1 - b2_t) * 6.0**2
     m_new = b1 * -0.5 + (1 - b1) * 6.0
     assert out.item() == pytest.approx(2.0 * (1 - lr * wd) - lr * (m_new / c) / (math.sqrt(nu) + eps), rel=1e-12)
     assert m.tolist() == pytest.approx([0.5, m_new, 0.25, 0.0], rel=1e-12)
@@ -122,13 +122,13 @@ def test_the_interval_update_integrates_adams_over_the_interval_by_hand() -> Non
     """Coordinate 1 was last sent at step 94 and is sent at step 100 with accumulated 6.0: tau = 6."""
     b1, b2, eps, lr, wd, t, tau = 0.9, 0.95, 1e-8, 0.1, 0.1, 100, 6
     m_prev, g, theta = 0.5, 6.0, 2.0
-    c, c_prev = 1 - b1**t, 1 - b1 ** (t - 1)
+    c, c_prev, b2_t = 1 - b1**t, 1 - b1 ** (t - 1), b2 * (1 - b2 ** (t - 1)) / (1 - b2**t)
     mean = g / tau
     v = max(g**2 / tau - (tau - 1) * (m_prev / c_prev) ** 2, mean**2)
-    nu = b2 * (m_prev / c_prev) ** 2 + (1 - b2) * v
+    nu = b2_t * (m_prev / c_prev) ** 2 + (1 - b2_t) * v
     carried = b1 * (1 - b1**tau) / (1 - b1)  # sum of b1**s for s = 1..tau
     disp = (m_prev * carried + mean * (tau - carried)) / c / (math.sqrt(nu) + eps)
-    bound = ((b1 * c_prev / c) ** 2 / b2 + (1 - b1) ** 2 / (c**2 * (1 - b2))) ** 0.5
+    bound = ((b1 * c_prev / c) ** 2 / b2_t + (1 - b1) ** 2 / (c**2 * (1 - b2_t))) ** 0.5
     for cap, moved in ((1000.0, disp), (2.0, 2 * bound)):
         param = torch.tensor([1.0, theta, 3.0, 4.0], dtype=torch.float64)
         m = torch.tensor([0.5, m_prev, 0.25, 0.0], dtype=torch.float64)
