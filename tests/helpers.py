@@ -157,8 +157,9 @@ sys.modules["lightning_scape"] = _package
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment for worker processes: one thread, no stray distributed variables, ``tests/`` importable, and
-    Python's fault handler on (a process that aborts prints every thread's stack)."""
+    """The environment for worker processes: one thread, no stray distributed variables, ``tests/`` and the
+    repository's root (``benchmarks``) importable, and Python's fault handler on (a process that aborts prints
+    every thread's stack)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -170,7 +171,7 @@ def child_env(**extra: str) -> dict[str, str]:
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
         PYTHONFAULTHANDLER="1",
-        PYTHONPATH=HERE + os.pathsep + env.get("PYTHONPATH", ""),
+        PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]),
     )
     env.update(extra)
     return env

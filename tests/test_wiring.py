@@ -3,6 +3,8 @@ support they use (fp16 unscaling and skipping, the early global norm, state chec
 
 from __future__ import annotations
 
+import logging
+
 import os
 import warnings
 from datetime import timedelta
@@ -87,6 +89,31 @@ def test_adamw_becomes_adams_sharing_its_param_groups() -> None:
     assert adams.param_groups[0]["lr"] == 0.5
     already_adams = AdamS(net.parameters())
     assert to_adams(already_adams) is already_adams
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.9, 0.95)])
+def test_converted_adamw_takes_adamws_first_two_steps(betas: tuple[float, float], caplog: Any) -> None:
+    """AdamS's normaliser is bias-corrected as Adam's second moment: at step 1 it is |g|, at step 2 the same mix of
+    g1^2 and g2^2 as Adam's (the first momentum is g1), so a converted AdamW starts exactly as AdamW. With b2's
+    weight on the zero momentum of step 1 it moved every coordinate by lr / sqrt(1 - b2), 31.6 lr at 0.999."""
+    torch.manual_seed(0)
+    user, twin = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
+    twin.load_state_dict(user.state_dict())
+    with caplog.at_level(logging.INFO):
+        adams = to_adams(torch.optim.AdamW(user.parameters(), lr=1e-3, betas=betas))
+    assert "converted AdamW to AdamS" in caplog.text and f"betas={betas}" in caplog.text
+    adamw = torch.optim.AdamW(twin.parameters(), lr=1e-3, betas=betas)
+    for step in range(3):
+        grads = [torch.randn_like(p) * 10.0**step for p in user.parameters()]  # a growing gradient
+        for opt, net in ((adams, user), (adamw, twin)):
+            for p, g in zip(net.parameters(), grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        moved = flat(user.parameters()) - flat(twin.parameters())
+        if step < 2:
+            torch.testing.assert_close(flat(user.parameters()), flat(twin.parameters()), rtol=0, atol=1e-6)
+        else:  # from step 3 the normalisers differ: AdamS's is the squared momentum, Adam's its average of g^2
+            assert moved.abs().max() > 1e-5
 
 
 def test_unsupported_optimizers_are_refused_with_the_alternatives() -> None:

@@ -66,7 +66,10 @@ def to_adams(optimizer: Optimizer) -> AdamS:
         f"group {i}: lr={g['lr']}, betas={tuple(g['betas'])}, eps={g['eps']}, weight_decay={g['weight_decay']}"
         for i, g in enumerate(adams.param_groups)
     )
-    rank_zero_info(f"lightning_scape: converted {name} to AdamS with the same hyperparameters ({summary}).")
+    rank_zero_info(
+        f"lightning_scape: converted {name} to AdamS, which normalises by its momentum instead of a second moment "
+        f"(docs/algorithm.md section 2); kept each group's lr, betas, eps and weight_decay ({summary})."
+    )
     return adams
 
 
