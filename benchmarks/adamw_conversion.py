@@ -256,7 +256,8 @@ def optimizer_tables(done: dict[str, dict[str, Any]], workloads: list[str]) -> l
             continue
         steps = recs[0]["steps"]
         lines += ["", f"### {name}: held-out loss after {steps} steps, one process (AdamW / AdamS / AdamS before)", ""]
-        lines += ["| betas | warm-up | " + " | ".join(f"lr {lr:g}" for lr in LRS) + " |", "|---|---|" + "---|" * len(LRS)]
+        header = "| betas | warm-up | " + " | ".join(f"lr {lr:g}" for lr in LRS) + " |"
+        lines += [header, "|---|---|" + "---|" * len(LRS)]
         for b2 in BETA2S:
             for warmup in (0, steps // 10):
                 cells = []

@@ -48,8 +48,15 @@ def _segment_templates(size: int = 28) -> Tensor:
     def down(x: float, y0: float, y1: float) -> Tensor:
         return ((xx - x).abs() <= half) & (yy >= y0) & (yy <= y1)
 
-    seg = {"a": across(top), "g": across(middle), "d": across(bottom), "f": down(left, top, middle),
-           "b": down(right, top, middle), "e": down(left, middle, bottom), "c": down(right, middle, bottom)}  # fmt: skip
+    seg = {
+        "a": across(top),
+        "g": across(middle),
+        "d": across(bottom),
+        "f": down(left, top, middle),
+        "b": down(right, top, middle),
+        "e": down(left, middle, bottom),
+        "c": down(right, middle, bottom),
+    }
     return torch.stack([torch.stack([seg[s] for s in lit]).any(0).float() for lit in _SEGMENTS])
 
 

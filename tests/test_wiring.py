@@ -4,7 +4,6 @@ support they use (fp16 unscaling and skipping, the early global norm, state chec
 from __future__ import annotations
 
 import logging
-
 import os
 import warnings
 from datetime import timedelta
