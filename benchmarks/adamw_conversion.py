@@ -1,8 +1,9 @@
 """Does a user's AdamW, converted to AdamS, train as it trained? On the models of ``benchmarks/user_models.py``.
 
-Two parts, run one after the other (two cores: runs side by side slow each other down):
+Three parts, run one after the other (two cores: runs side by side slow each other down):
 
     python -m benchmarks.adamw_conversion --part optimizer   # one process: AdamW, AdamS, AdamS's previous rule
+    python -m benchmarks.adamw_conversion --part steps       # one process: how far each step moves, by step
     python -m benchmarks.adamw_conversion --part scape       # W = 2 simulated: DDP + AdamW against SCAPE
     python -m benchmarks.adamw_conversion --report           # rewrite the tables and plots from OUT/runs.jsonl
 
@@ -12,6 +13,11 @@ it was before its first step was bias-corrected (``previous_adams``, kept here a
 got), over the grid users pass: betas (0.9, 0.999) (torch's default) and (0.9, 0.95) (the LLM convention),
 learning rates 1e-4 to 3e-3, without and with a linear learning-rate warm-up over the first tenth of the run,
 then a constant learning rate (as the examples have). One process, the examples' batch.
+
+``--part steps`` trains the same three optimizers for 100 steps at learning rate 1e-3, both betas, no warm-up, and
+records each step's update in units of the learning rate (weight decay left out): its RMS over the coordinates
+and its 99th percentile. Adam moves a coordinate by about the learning rate at most; this shows where an
+optimizer moves further, and when.
 
 ``--part scape`` trains each workload on W = 2 simulated ranks (``lightning_scape.simulate``: the exact algorithm,
 in threads; each rank takes half the batch), from the same weights on the same batches: DDP + AdamW (the averaged
@@ -54,6 +60,8 @@ GRID_STEPS = {"cnn": 300, "mlp": 300, "gpt": 300, "transformer": 200}
 SCAPE_STEPS = 600
 SCAPE_LR = 1e-3
 DENSE_EVERY_STEP = {"sharded": False, "dense_warmup_steps": 10**9}
+WEIGHT_DECAY = 0.01  # torch's AdamW default, which the conversion keeps
+STEP_PART_STEPS = 100
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,7 @@ def make_optimizer(name: str, model: nn.Module, lr: float, b2: float) -> torch.o
     if name == "adams":
         return to_adams(adamw)
     if name == "adams_previous":
-        return PreviousAdamS(model.parameters(), lr=lr, betas=(0.9, b2), weight_decay=0.01)
+        return PreviousAdamS(model.parameters(), lr=lr, betas=(0.9, b2), weight_decay=WEIGHT_DECAY)
     raise SystemExit(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
 
 
@@ -134,7 +142,8 @@ def evaluate(work: Workload, model: nn.Module) -> dict[str, float]:
 
 def eval_steps(steps: int) -> set[int]:
     """Ten evaluations per run, and one before the first step."""
-    return {0, *range(steps // 10, steps + 1, steps // 10)}
+    every = max(1, steps // 10)
+    return {0, *range(every, steps + 1, every)}
 
 
 # ------------------------------------------------------------------------------------------------ the two parts
@@ -148,18 +157,32 @@ def train_one_process(run: Run) -> dict[str, Any]:
     opt = make_optimizer(run.method, model, run.lr, run.b2)
     gen = torch.Generator().manual_seed(1000 + run.seed)
     torch.manual_seed(run.seed)  # dropout
-    curve, losses = [], []
+    curve, losses, moves = [], [], []
+    params = list(model.parameters())
     for step in range(run.steps):
         if step in eval_steps(run.steps):
             curve.append({"step": step, **evaluate(work, model)})
-        set_lr(opt, warmup_lr(step, run))
+        lr = warmup_lr(step, run)
+        set_lr(opt, lr)
         loss = work.loss(model, work.sample(gen, work.batch))
         opt.zero_grad()
         loss.backward()
+        before = torch.cat([p.detach().flatten() for p in params]) if run.part == "steps" else None
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
+        if before is not None:
+            moves.append(update_size(before, params, lr))
     curve.append({"step": run.steps, **evaluate(work, model)})
-    return {"curve": curve, "train_loss": losses}
+    return {"curve": curve, "train_loss": losses, "update": moves}
+
+
+def update_size(before: Tensor, params: list[Tensor], lr: float) -> dict[str, float]:
+    """The step's update in units of the learning rate, weight decay left out: its RMS over every coordinate and
+    its 99th percentile of magnitude (Adam moves a coordinate by at most about lr per step, typically less)."""
+    after = torch.cat([p.detach().flatten() for p in params])
+    u = (before * (1.0 - lr * WEIGHT_DECAY) - after).abs_().div_(lr)
+    p99 = float(u.kthvalue(max(1, int(0.99 * u.numel()))).values)
+    return {"rms": float(u.square().mean().sqrt()), "p99": p99}
 
 
 # The simulated ranks are threads: build one model at a time (torch's global generator is shared).
@@ -198,7 +221,7 @@ def train_rank(rank: int, comm: Communicator, run: Run) -> dict[str, Any]:
                 p.grad.div_(WORLD_SIZE)
             opt.step()
             opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     if rank == 0:
         sent = engine.counters.total_sent_bytes if engine else ddp_bytes(params, run.steps)
         curve.append({"step": run.steps, **evaluate(work, model), "bytes": sent})
@@ -215,7 +238,7 @@ def ddp_bytes(params: list[Tensor], steps: int) -> int:
 
 def run_one(run: Run) -> dict[str, Any]:
     t0 = time.perf_counter()
-    if run.part == "optimizer":
+    if run.part in ("optimizer", "steps"):
         rec = train_one_process(run)
     else:
         per_rank = simulate(WORLD_SIZE, lambda rank, comm: train_rank(rank, comm, run))
@@ -231,6 +254,9 @@ def planned(part: str, workloads: list[str], seeds: list[int]) -> list[Run]:
             for b2 in BETA2S:
                 if part == "scape":
                     runs += [Run("scape", name, m, b2, SCAPE_LR, 0, SCAPE_STEPS, seed) for m in SCAPE_METHODS]
+                    continue
+                if part == "steps":
+                    runs += [Run("steps", name, opt, b2, SCAPE_LR, 0, STEP_PART_STEPS, seed) for opt in OPTIMIZERS]
                     continue
                 steps = GRID_STEPS[name]
                 for warmup in (0, steps // 10):
@@ -292,9 +318,38 @@ def scape_table(done: dict[str, dict[str, Any]], workloads: list[str]) -> list[s
     return lines
 
 
+STEP_COLUMNS = ((1, 1), (2, 2), (3, 3), (4, 10), (11, 30), (31, 100))
+
+
+def steps_table(done: dict[str, dict[str, Any]], workloads: list[str]) -> list[str]:
+    """RMS (and 99th percentile) of each step's update in units of lr, by step window, lr 1e-3, no warm-up."""
+    cols = " | ".join(f"step {a}" if a == b else f"steps {a}-{b}" for a, b in STEP_COLUMNS)
+    lines = [
+        "",
+        f"### Update size: RMS (99th percentile) of |update| / lr, one process, lr {SCAPE_LR:g}, no warm-up",
+        "",
+        f"| workload | betas | optimizer | {cols} |",
+        "|---|---|---|" + "---|" * len(STEP_COLUMNS),
+    ]
+    for name in workloads:
+        for b2 in BETA2S:
+            for opt in OPTIMIZERS:
+                rec = done.get(Run("steps", name, opt, b2, SCAPE_LR, 0, STEP_PART_STEPS).key)
+                if rec is None:
+                    continue
+                cells = []
+                for a, b in STEP_COLUMNS:
+                    window = rec["update"][a - 1 : b]
+                    rms = (sum(u["rms"] ** 2 for u in window) / len(window)) ** 0.5
+                    cells.append(f"{rms:.2f} ({max(u['p99'] for u in window):.2f})")
+                lines.append(f"| {name} | (0.9, {b2}) | {opt} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_report(out: str, done: dict[str, dict[str, Any]]) -> str:
     names = list(WORKLOADS)
-    text = "\n".join(["# AdamW converted to AdamS", *optimizer_tables(done, names), *scape_table(done, names)]) + "\n"
+    sections = [*optimizer_tables(done, names), *steps_table(done, names), *scape_table(done, names)]
+    text = "\n".join(["# AdamW converted to AdamS", *sections]) + "\n"
     with open(os.path.join(out, "conversion.md"), "w") as f:
         f.write(text)
     with open(os.path.join(out, "curves.csv"), "w", newline="") as f:
@@ -316,6 +371,7 @@ def plot(out: str, done: dict[str, dict[str, Any]]) -> None:
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)")
         return
+    plot_update_sizes(out, done, Figure)
     for part, methods in (("optimizer", OPTIMIZERS), ("scape", SCAPE_METHODS)):
         for name in WORKLOADS:
             recs = [r for r in done.values() if r["part"] == part and r["workload"] == name and r["lr"] == 1e-3
@@ -338,6 +394,30 @@ def plot(out: str, done: dict[str, dict[str, Any]]) -> None:
             fig.savefig(os.path.join(out, f"{part}_{name}.png"), dpi=100)
 
 
+def plot_update_sizes(out: str, done: dict[str, dict[str, Any]], figure: Any) -> None:
+    """``steps_<workload>.png``: the RMS of each step's update in units of lr, and the training loss, by step."""
+    for name in WORKLOADS:
+        recs = [r for r in done.values() if r["part"] == "steps" and r["workload"] == name]
+        if not recs:
+            continue
+        fig = figure(figsize=(12, 6.5), layout="constrained")
+        axes = fig.subplots(2, len(BETA2S), sharex=True)
+        for col, b2 in enumerate(BETA2S):
+            for rec in recs:
+                if rec["b2"] != b2:
+                    continue
+                steps = range(1, len(rec["update"]) + 1)
+                style = {"color": f"C{OPTIMIZERS.index(rec['method'])}", "label": rec["method"]}
+                axes[0][col].plot(steps, [u["rms"] for u in rec["update"]], **style)
+                axes[1][col].plot(steps, rec["train_loss"], **style)
+            axes[0][col].set(title=f"{name}, betas (0.9, {b2}), lr 1e-3", ylabel="RMS of update / lr", yscale="log")
+            axes[1][col].set(xlabel="step", ylabel="training loss")
+            for ax in axes[:, col]:
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7)
+        fig.savefig(os.path.join(out, f"steps_{name}.png"), dpi=100)
+
+
 def load_runs(path: str) -> dict[str, dict[str, Any]]:
     done: dict[str, dict[str, Any]] = {}
     if os.path.exists(path):
@@ -350,7 +430,7 @@ def load_runs(path: str) -> dict[str, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=("optimizer", "scape"))
+    ap.add_argument("--part", choices=("optimizer", "steps", "scape"))
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {list(WORKLOADS)}")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds")
     ap.add_argument("--out", default="out/adamw_conversion")
