@@ -1,6 +1,9 @@
-"""One command for a CUDA machine: the kernels against their references, their bandwidth, and a training run.
+"""One command for a CUDA machine: the kernels against their references, their bandwidth, a training run, then
+SCAPE's quality at scale (``benchmarks.scale``).
 
-    python -m benchmarks.gpu_check                      # on a CUDA GPU: about 5-10 minutes
+    python -m benchmarks.gpu_check                      # on a CUDA GPU: this check, then the scale run (13 minutes)
+    python -m benchmarks.gpu_check --no-scale           # this check only (a few minutes)
+    python -m benchmarks.scale                          # the scale run only (8 minutes)
     python -m benchmarks.gpu_check --peak-gbps 3350     # a device the peak table of bench_kernels.py lacks
     python -m benchmarks.gpu_check --tiny               # no GPU: the code path in Triton's CPU interpreter
 
@@ -15,10 +18,17 @@
    d = 0.01 with a schedule that fits the run, trained twice from the same weights on the same batches:
    on the Triton kernels and on the references (``LIGHTNING_SCAPE_FORCE_REF=1``). Their losses must agree.
 
-Writes ``report.md`` and ``report.json`` under ``--out``; exits 1 when a kernel differs from its reference
-or the losses disagree. ``--tiny`` (small tensors, a few steps) runs everything on the CPU with the kernels
-in Triton's interpreter (``TRITON_INTERPRET=1``, set here before triton is imported): a test of this
-script, not a measurement (``tests/test_gpu_check.py``).
+The first two parts also check and time the candidate selection kernel (``LIGHTNING_SCAPE_SELECT_KERNEL=stream``,
+``kernels/chunk_topk_stream.py``) beside the current one; a candidate that differs from the references is reported,
+and does not fail the check (the engine does not run it unless asked).
+
+4. **Scale** (unless ``--no-scale``): ``python -m benchmarks.scale`` in a process of its own, given what is left of
+   ``--total-budget-s`` (780 s: 13 minutes in all), at most its own 8 minutes; it writes under ``--out``/scale.
+
+Writes ``report.md`` and ``report.json`` under ``--out``; exits 1 when a kernel differs from its reference,
+the losses disagree or the scale run failed. ``--tiny`` (small tensors, a few steps) runs everything on the
+CPU with the kernels in Triton's interpreter (``TRITON_INTERPRET=1``, set here before triton is imported)
+and the scale run's ``--tiny``: a test of this script, not a measurement (``tests/test_gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -47,6 +58,14 @@ STEP_RTOL = 0.05
 FINAL_RTOL = 0.01
 # The --tiny problems of the kernel check (chunk size, density, rows): what the interpreter runs in seconds.
 TINY_CASES = ((8, 0.25, 7), (64, 0.1, 5), (256, 0.05, 3))
+# The prepared command on a lent GPU: this check and then the scale run within TOTAL_BUDGET_S, the scale run given
+# what is left, at most SCALE_BUDGET_S (its own 8 minutes). With less than MIN_SCALE_BUDGET_S left it is skipped:
+# its text, kernel compilation and probe take about two minutes before it trains.
+TOTAL_BUDGET_S = 780.0
+SCALE_BUDGET_S = 480.0
+MIN_SCALE_BUDGET_S = 300.0
+# The failures of the candidate selection kernel carry this tag (bench_kernels.check).
+CANDIDATE_TAG = "[stream]"
 
 
 @dataclass(frozen=True)
@@ -110,7 +129,7 @@ def bandwidth(device: str, peak_gbps: float | None, tiny: bool = False) -> dict[
     from benchmarks import bench_kernels
 
     argv = [] if peak_gbps is None else ["--peak-gbps", str(peak_gbps)]
-    argv += ["--iters", "1", "--warmup", "0"] if tiny else []
+    argv += ["--iters", "1", "--warmup", "0", "--rounds", "1"] if tiny else []
     return bench_kernels.run(bench_kernels.build_parser().parse_args(argv), device)
 
 
@@ -213,6 +232,60 @@ def losses_agree(kernel: list[float], reference: list[float]) -> dict[str, Any]:
     }
 
 
+def scale_command(out: str, tiny: bool, elapsed_s: float, total_s: float) -> list[str] | None:
+    """The scale run's command line, given the time left of ``total_s``; None when too little is left.
+
+    Args:
+        out: This check's output folder (the scale run writes under ``out/scale``).
+        tiny: Run the scale run's ``--tiny`` (no budget applies).
+        elapsed_s: Seconds this check has taken.
+        total_s: Seconds for this check and the scale run together.
+    """
+    budget = min(SCALE_BUDGET_S, total_s - elapsed_s)
+    if budget < MIN_SCALE_BUDGET_S and not tiny:
+        return None
+    argv = [sys.executable, "-m", "benchmarks.scale", "--out", os.path.join(out, "scale")]
+    return argv + (["--tiny"] if tiny else ["--budget-s", f"{budget:.0f}"])
+
+
+def run_scale(args: argparse.Namespace, elapsed_s: float) -> dict[str, Any]:
+    """Run ``benchmarks.scale`` in a process of its own (a clean GPU, and this check's report already written)."""
+    cmd = scale_command(args.out, args.tiny, elapsed_s, args.total_budget_s)
+    if cmd is None:
+        left = args.total_budget_s - elapsed_s
+        print(f"scale run skipped: {left:.0f} s left of --total-budget-s {args.total_budget_s:.0f}", flush=True)
+        return {"command": None, "returncode": None, "skipped": f"{left:.0f} s left"}
+    print("running " + " ".join(cmd[1:]), flush=True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the blocks this check's allocator caches, for the scale run's process
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, check=False).returncode
+    report = os.path.join(args.out, "scale", "report.md")
+    return {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": time.perf_counter() - t0, "report": report}
+
+
+def selection_md(report: dict[str, Any]) -> list[str]:
+    """The candidate selection kernel's lines of ``report.md``: its check, and its timing beside the current one."""
+    lines = ["", "## Selection kernels: the current one and the candidate (`LIGHTNING_SCAPE_SELECT_KERNEL=stream`)", ""]
+    for dtype, failures in report["candidate_check"].items():
+        lines.append(f"- {dtype}: " + ("the candidate matches the references" if not failures else
+                                       "the candidate DIFFERS: " + "; ".join(failures)))  # fmt: skip
+    if not report["device"]["cuda"]:
+        return [*lines, "", "Not timed (no GPU)."]
+    peak = report["device"]["peak_gbps"]
+    lines += ["", "| case | kernel | median ms | GB/s | % of peak | / current |", "|---|---|---|---|---|---|"]
+    for r in report["bandwidth"].get("selection", []):
+        for name, ms in r["median_ms"].items():
+            gbps = r["gbps"][name]
+            pct = f"{100 * gbps / peak:.1f}" if peak else "n/a"
+            ratio = f"{r['over_current'][name]:.3f}" if name in r["over_current"] else "1"
+            lines.append(f"| {r['case']} | {name} | {ms:.3f} | {gbps:.1f} | {pct} | {ratio} |")
+    rounds = report["bandwidth"]["selection"][0]["rounds"] if report["bandwidth"].get("selection") else 0
+    return [*lines, "", f"Medians of {rounds} alternating rounds; the ratio is the median of the per-round ratios "
+            "to the current kernel (prefilter). stream-vpt8: the candidate with tiles of 8 values per thread (its "
+            "default is 16)."]  # fmt: skip
+
+
 def report_md(report: dict[str, Any]) -> str:
     """``report.md``."""
     dev = report["device"]
@@ -260,16 +333,43 @@ def report_md(report: dict[str, Any]) -> str:
             f"- median step: kernels {1e3 * t['kernel']['median_step_s']:.1f} ms, references "
             f"{1e3 * t['reference']['median_step_s']:.1f} ms"
         )
+    lines += selection_md(report)
+    scale = report.get("scale")
+    if scale is not None:
+        lines += ["", "## The scale run", ""]
+        if scale["command"] is None:
+            lines.append(f"Skipped: {scale['skipped']} of the total budget.")
+        else:
+            done = "ran" if scale["returncode"] == 0 else f"FAILED (exit {scale['returncode']})"
+            lines.append(f"`python {scale['command']}` {done} in {scale['seconds']:.0f} s; its report: "
+                         f"`{scale['report']}`.")  # fmt: skip
     lines += ["", f"Result: **{'pass' if report['passed'] else 'FAIL'}**."]
     return "\n".join(lines) + "\n"
 
 
+def write_report(report: dict[str, Any], out: str) -> str:
+    """``report.json`` and ``report.md`` under ``out``; returns the markdown."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "report.json"), "w") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    text = report_md(report)
+    with open(os.path.join(out, "report.md"), "w") as fh:
+        fh.write(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.reporting import process_age_s
+
+    t_start = time.perf_counter() - (process_age_s() if argv is None else 0.0)  # None: run as a command
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/gpu_check", help="where report.md and report.json go")
     ap.add_argument("--tiny", action="store_true", help="small tensors and a few steps (the CPU test of this script)")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default: 300; --tiny: 4)")
     ap.add_argument("--peak-gbps", type=float, default=None, help="the device's peak DRAM bandwidth, GB/s")
+    ap.add_argument("--no-scale", action="store_true", help="this check only, without the scale run after it")
+    ap.add_argument("--total-budget-s", type=float, default=TOTAL_BUDGET_S,
+                    help="seconds for this check and the scale run together (default 780)")  # fmt: skip
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:
@@ -302,8 +402,10 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     with env(LIGHTNING_SCAPE_FORCE_TRITON=None if cuda else "1", LIGHTNING_SCAPE_FORCE_REF=None):
-        report["kernel_check"] = kernels_against_refs(device, args.tiny)
+        checked = kernels_against_refs(device, args.tiny)
         report["bandwidth"] = bandwidth(device, args.peak_gbps, args.tiny)
+    report["kernel_check"] = {d: [f for f in fs if CANDIDATE_TAG not in f] for d, fs in checked.items()}
+    report["candidate_check"] = {d: [f for f in fs if CANDIDATE_TAG in f] for d, fs in checked.items()}
     if not cuda:
         one_launch_at_a_time()
     runs = {"kernel": train(size, device, reference=False), "reference": train(size, device, reference=True)}
@@ -313,13 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     report["training"] = {"size": dataclasses.asdict(size), **runs, "agreement": agreement}
     on_kernels = all(p == "triton" for p in runs["kernel"]["bucket_paths"])
     report["passed"] = not any(report["kernel_check"].values()) and agreement["agree"] and on_kernels
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "report.json"), "w") as fh:
-        json.dump(report, fh, indent=1, default=str)
-    text = report_md(report)
-    with open(os.path.join(args.out, "report.md"), "w") as fh:
-        fh.write(text)
+    text = write_report(report, args.out)  # before the scale run: a scale run cut short leaves this report whole
     print(text)
+    if not args.no_scale:
+        report["scale"] = run_scale(args, time.perf_counter() - t_start)
+        report["passed"] = report["passed"] and report["scale"]["returncode"] in (0, None)
+        print(write_report(report, args.out))
     return 0 if report["passed"] else 1
 
 

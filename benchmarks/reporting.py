@@ -1,5 +1,5 @@
 """What the benchmarks' reports share: numbers as table cells, the network and machine lines, CSV and JSON
-files, and the plots' set-up and colours.
+files, the plots' set-up and colours, and a process's age (for the time budgets of whole commands).
 
 ``benchmarks.network.run`` (step times) and ``benchmarks.network.time_to_loss`` (time to a loss) write their
 ``results.md``, CSVs, ``results.json`` and plots with these; what each of them measures stays in its module.
@@ -60,6 +60,19 @@ def machine_line(results: dict[str, Any]) -> str:
         f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, kernel {m['kernel']}, Python {m['python']}, "
         f"torch {m['torch']}; load average at start {tuple(round(x, 2) for x in m['loadavg_start'])}"
     )
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux; 0 elsewhere): what a time budget for a whole command must count,
+    the interpreter's start-up and the imports of torch included."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def write_csv(path: str, rows: Sequence[dict[str, Any]]) -> None:
