@@ -11,7 +11,8 @@ Three parts, run one after the other (two cores: runs side by side slow each oth
 (``lightning_scape.wiring.optimizer.to_adams``: same learning rate, betas, eps and weight decay), and with AdamS as
 it was before its first step was bias-corrected (``previous_adams``, kept here as the reference of what users
 got), over the grid users pass: betas (0.9, 0.999) (torch's default) and (0.9, 0.95) (the LLM convention),
-learning rates 1e-4 to 3e-3, without and with a linear learning-rate warm-up over the first tenth of the run,
+learning rates 1e-4 to 3e-3, without and with a linear learning-rate warm-up over the first tenth of the run
+(the transformer: from 1e-3),
 then a constant learning rate (as the examples have). One process, the examples' batch.
 
 ``--part steps`` trains the same three optimizers for 100 steps at learning rate 1e-3, both betas, no warm-up, and
@@ -57,6 +58,9 @@ OPTIMIZERS = ("adamw", "adams", "adams_previous")
 SCAPE_METHODS = ("ddp_adamw", "ddp_adams", "scape")
 # The optimizer grid's length per workload (the transformer's 33,278-word output layer makes its steps ~10x dearer).
 GRID_STEPS = {"cnn": 300, "mlp": 300, "gpt": 300, "transformer": 200}
+# The transformer's warm-up runs start at this learning rate: below it no optimizer's first steps do harm, and
+# its steps are the dearest of the four.
+WARMUP_FROM_LR = {"transformer": 1e-3}
 SCAPE_STEPS = 600
 SCAPE_LR = 1e-3
 DENSE_EVERY_STEP = {"sharded": False, "dense_warmup_steps": 10**9}
@@ -261,6 +265,8 @@ def planned(part: str, workloads: list[str], seeds: list[int]) -> list[Run]:
                 steps = GRID_STEPS[name]
                 for warmup in (0, steps // 10):
                     for lr in LRS:
+                        if warmup and lr < WARMUP_FROM_LR.get(name, 0.0):
+                            continue
                         runs += [Run("optimizer", name, opt, b2, lr, warmup, steps, seed) for opt in OPTIMIZERS]
     return runs
 

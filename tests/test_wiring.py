@@ -115,6 +115,32 @@ def test_converted_adamw_takes_adamws_first_two_steps(betas: tuple[float, float]
             assert moved.abs().max() > 1e-5
 
 
+def test_a_converted_lr_above_the_ceiling_is_told_once_before_the_step_that_first_uses_it() -> None:
+    def steps(net: torch.nn.Module, opt: ScapeOptimizer, lrs: list[float]) -> list[str]:
+        told = []
+        for step, lr in enumerate(lrs):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, y = random_batch(step, 8)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step(lambda x=x, y=y: torch.nn.functional.mse_loss(net(x), y).backward())
+            told += [f"{step}: {w.message}" for w in caught if "is above 0.001" in str(w.message)]
+            opt.zero_grad()
+        return told
+
+    def converted(factory: Any) -> tuple[torch.nn.Module, ScapeOptimizer]:
+        net = make_net()
+        return net, engine_setup.build_scape_optimizer(factory(net.parameters()), CFG, net, None)
+
+    # A warm-up to 3e-3: told once, at the first step above 1e-3, naming the value and the one to use.
+    (told,) = steps(*converted(lambda p: torch.optim.AdamW(p)), [5e-4, 1e-3, 2e-3, 3e-3, 3e-3])
+    assert told.startswith("2: lightning_scape: lr=0.002 (param group 0)") and "AdamW" in told
+    assert "Use lr=0.001" in told and "docs/algorithm.md section 2" in told
+    assert steps(*converted(lambda p: torch.optim.Adam(p)), [1e-3] * 3) == []  # at the ceiling: nothing
+    assert steps(*converted(lambda p: AdamS(p)), [3e-3] * 3) == []  # AdamS chosen by the user: stepped as chosen
+
+
 def test_unsupported_optimizers_are_refused_with_the_alternatives() -> None:
     net = make_net()
     with pytest.raises(TypeError, match=r"AdamW and torch.optim.Adam .*got torch.optim.sgd.SGD"):
@@ -150,6 +176,7 @@ def test_scape_optimizer_steps_saves_and_resumes_exactly_in_one_process() -> Non
     net, opt, sched = fresh()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        warnings.filterwarnings("ignore", message=".*is above 0.001")  # lr=0.02: test_a_converted_lr_above...
         _train(opt, net, sched, range(6))
     assert opt.engine.step_count == 6 and opt.param_groups[0]["lr"] == pytest.approx(0.02 / 7)
     assert all(p.grad is not None and not p.grad.any() for p in net.parameters())  # zeroed views
