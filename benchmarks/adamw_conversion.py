@@ -9,8 +9,8 @@ Three parts, run one after the other (two cores: runs side by side slow each oth
 
 ``--part optimizer`` trains each workload with ``torch.optim.AdamW``, with the AdamS that SCAPE converts it to
 (``lightning_scape.wiring.optimizer.to_adams``: same learning rate, betas, eps and weight decay), and with AdamS as
-it was before its first step was bias-corrected (``previous_adams``, kept here as the reference of what users
-got), over the grid users pass: betas (0.9, 0.999) (torch's default) and (0.9, 0.95) (the LLM convention),
+it was before its normaliser was bias-corrected (:class:`PreviousAdamS`, kept here as the reference of what
+users got), over the grid users pass: betas (0.9, 0.999) (torch's default) and (0.9, 0.95) (the LLM convention),
 learning rates 1e-4 to 3e-3, without and with a linear learning-rate warm-up over the first tenth of the run
 (the transformer: from 1e-3),
 then a constant learning rate (as the examples have). One process, the examples' batch.
@@ -24,7 +24,8 @@ optimizer moves further, and when.
 in threads; each rank takes half the batch), from the same weights on the same batches: DDP + AdamW (the averaged
 gradient, ``torch.optim.AdamW``), dense AdamS of the converted optimizer (every step dense), and SCAPE at its
 defaults with the converted optimizer, at learning rate 1e-3 with both betas, no warm-up, 600 steps (past the
-default schedule's 30 dense and 400 ramp steps).
+default schedule's 30 dense and 400 ramp steps), the learning rate constant (as the examples have it) or on a
+cosine to zero.
 
 Every run appends a record to ``OUT/runs.jsonl`` and a command skips the runs already there. The report
 (``OUT/conversion.md``, ``OUT/curves.csv``, ``OUT/<part>_<workload>.png``) gives the final held-out loss (and
@@ -35,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
+import math
 import os
 import threading
 import time
@@ -62,6 +65,7 @@ GRID_STEPS = {"cnn": 300, "mlp": 300, "gpt": 300, "transformer": 200}
 # its steps are the dearest of the four.
 WARMUP_FROM_LR = {"transformer": 1e-3}
 SCAPE_STEPS = 600
+SCHEDULES = ("constant", "cosine")
 SCAPE_LR = 1e-3
 DENSE_EVERY_STEP = {"sharded": False, "dense_warmup_steps": 10**9}
 WEIGHT_DECAY = 0.01  # torch's AdamW default, which the conversion keeps
@@ -80,6 +84,7 @@ class Run:
     warmup: int  # linear learning-rate warm-up steps (0: none)
     steps: int
     seed: int = 0
+    schedule: str = "constant"  # after the warm-up: "constant", or "cosine" to zero at the last step
 
     @property
     def key(self) -> str:
@@ -127,9 +132,14 @@ def make_optimizer(name: str, model: nn.Module, lr: float, b2: float) -> torch.o
     raise SystemExit(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
 
 
-def warmup_lr(step: int, run: Run) -> float:
-    """The learning rate of step ``step`` (0-based): linear from ``lr / warmup`` to ``lr``, then constant."""
-    return run.lr * min(1.0, (step + 1) / run.warmup) if run.warmup else run.lr
+def scheduled_lr(step: int, run: Run) -> float:
+    """The learning rate of step ``step`` (0-based): linear from ``lr / warmup`` to ``lr``, then constant, or a cosine
+    from ``lr`` to zero at the last step."""
+    if step < run.warmup:
+        return run.lr * (step + 1) / run.warmup
+    if run.schedule == "cosine":
+        return run.lr * 0.5 * (1.0 + math.cos(math.pi * (step - run.warmup) / max(1, run.steps - run.warmup)))
+    return run.lr
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -166,7 +176,7 @@ def train_one_process(run: Run) -> dict[str, Any]:
     for step in range(run.steps):
         if step in eval_steps(run.steps):
             curve.append({"step": step, **evaluate(work, model)})
-        lr = warmup_lr(step, run)
+        lr = scheduled_lr(step, run)
         set_lr(opt, lr)
         loss = work.loss(model, work.sample(gen, work.batch))
         opt.zero_grad()
@@ -213,7 +223,7 @@ def train_rank(rank: int, comm: Communicator, run: Run) -> dict[str, Any]:
         if rank == 0 and step in eval_steps(run.steps):
             sent = engine.counters.total_sent_bytes if engine else ddp_bytes(params, step)
             curve.append({"step": step, **evaluate(work, model), "bytes": sent})
-        set_lr(opt, warmup_lr(step, run))
+        set_lr(opt, scheduled_lr(step, run))
         loss = work.loss(model, work.sample(gen, work.batch // WORLD_SIZE))
         loss.backward()
         if engine is not None:
@@ -257,7 +267,9 @@ def planned(part: str, workloads: list[str], seeds: list[int]) -> list[Run]:
         for seed in seeds:
             for b2 in BETA2S:
                 if part == "scape":
-                    runs += [Run("scape", name, m, b2, SCAPE_LR, 0, SCAPE_STEPS, seed) for m in SCAPE_METHODS]
+                    for schedule in SCHEDULES:
+                        runs += [Run("scape", name, m, b2, SCAPE_LR, 0, SCAPE_STEPS, seed, schedule)
+                                 for m in SCAPE_METHODS]  # fmt: skip
                     continue
                 if part == "steps":
                     runs += [Run("steps", name, opt, b2, SCAPE_LR, 0, STEP_PART_STEPS, seed) for opt in OPTIMIZERS]
@@ -306,21 +318,21 @@ def scape_table(done: dict[str, dict[str, Any]], workloads: list[str]) -> list[s
         "",
         f"### Under SCAPE: W = {WORLD_SIZE} simulated, lr {SCAPE_LR:g}, no warm-up, {SCAPE_STEPS} steps",
         "",
-        "| workload | betas | seed | DDP + AdamW | dense AdamS (converted) | SCAPE defaults (converted) "
+        "| workload | schedule | betas | seed | DDP + AdamW | dense AdamS (converted) | SCAPE defaults (converted) "
         "| SCAPE / DDP + AdamW | SCAPE's bytes / DDP's |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in workloads:
-        for seed in sorted({r["seed"] for r in done.values()}):
-            for b2 in BETA2S:
-                recs = [done.get(Run("scape", name, m, b2, SCAPE_LR, 0, SCAPE_STEPS, seed).key) for m in SCAPE_METHODS]
-                if not all(recs):
-                    continue
-                ddp, dense, scape = recs
-                ratio = scape["curve"][-1]["loss"] / ddp["curve"][-1]["loss"]
-                sent = scape["curve"][-1]["bytes"] / ddp["curve"][-1]["bytes"]
-                lines.append(f"| {name} | (0.9, {b2}) | {seed} | {final(ddp)} | {final(dense)} | {final(scape)} "
-                             f"| {ratio:.3f} | {sent:.3f} |")  # fmt: skip
+    seeds = sorted({r["seed"] for r in done.values()})
+    for name, schedule, b2, seed in itertools.product(workloads, SCHEDULES, BETA2S, seeds):
+        runs = [Run("scape", name, m, b2, SCAPE_LR, 0, SCAPE_STEPS, seed, schedule) for m in SCAPE_METHODS]
+        recs = [done.get(run.key) for run in runs]
+        if not all(recs):
+            continue
+        ddp, dense, scape = recs
+        ratio = scape["curve"][-1]["loss"] / ddp["curve"][-1]["loss"]
+        sent = scape["curve"][-1]["bytes"] / ddp["curve"][-1]["bytes"]
+        lines.append(f"| {name} | {schedule} | (0.9, {b2}) | {seed} | {final(ddp)} | {final(dense)} | {final(scape)} "
+                     f"| {ratio:.3f} | {sent:.3f} |")  # fmt: skip
     return lines
 
 
@@ -381,7 +393,7 @@ def plot(out: str, done: dict[str, dict[str, Any]]) -> None:
     for part, methods in (("optimizer", OPTIMIZERS), ("scape", SCAPE_METHODS)):
         for name in WORKLOADS:
             recs = [r for r in done.values() if r["part"] == part and r["workload"] == name and r["lr"] == 1e-3
-                    and r["warmup"] == 0]  # fmt: skip
+                    and r["warmup"] == 0 and r.get("seed", 0) == 0]  # fmt: skip
             if not recs:
                 continue
             fig = Figure(figsize=(12, 4.2), layout="constrained")
@@ -391,8 +403,9 @@ def plot(out: str, done: dict[str, dict[str, Any]]) -> None:
                     if rec["b2"] != b2:
                         continue
                     steps = [p["step"] for p in rec["curve"]]
-                    style = {"color": f"C{methods.index(rec['method'])}", "ls": "-" if rec["seed"] == 0 else "--"}
-                    ax.plot(steps, [p["loss"] for p in rec["curve"]], label=f"{rec['method']} (seed {rec['seed']})",
+                    schedule = rec.get("schedule", "constant")
+                    style = {"color": f"C{methods.index(rec['method'])}", "ls": "-" if schedule == "constant" else "--"}
+                    ax.plot(steps, [p["loss"] for p in rec["curve"]], label=f"{rec['method']} ({schedule} lr)",
                             **style)  # fmt: skip
                 ax.set(title=f"{name}, betas (0.9, {b2}), lr 1e-3", xlabel="step", ylabel="held-out loss")
                 ax.grid(alpha=0.3)
@@ -429,7 +442,7 @@ def load_runs(path: str) -> dict[str, dict[str, Any]]:
     if os.path.exists(path):
         with open(path) as f:
             for line in f:
-                rec = json.loads(line)
+                rec = {**asdict(Run("", "", "", 0.0, 0.0, 0, 0)), **json.loads(line)}  # fields added since: defaults
                 done[Run(**{k: rec[k] for k in Run.__dataclass_fields__}).key] = rec
     return done
 

@@ -25,6 +25,9 @@ class AdamSHyper:
             second moment), not by b2.
         catch_up_cap: Sparse steps: a coordinate sent after tau steps moves by at most ``min(tau, catch_up_cap)``
             steps' worth of this step's learning rate (``kernels/sparse_adams.py``).
+        first_step: The steps taken before this state's momentum started (parameters that joined the engine
+            later): the bias corrections count the ``step - first_step`` steps since, as Adam's per-parameter
+            step count does.
     """
 
     step: int
@@ -35,19 +38,25 @@ class AdamSHyper:
     weight_decay: float
     bias_correction: bool = True
     catch_up_cap: float = float("inf")
+    first_step: int = 0
+
+    @property
+    def age(self) -> int:
+        """The steps of this state so far, this one included: ``step - first_step``."""
+        return self.step - self.first_step
 
     @property
     def bias_c(self) -> float:
-        """c = ``1 - b1**t`` (1 without bias correction), computed in Python (fp64)."""
-        return 1.0 - self.beta1**self.step if self.bias_correction else 1.0
+        """c = ``1 - b1**t`` (1 without bias correction), computed in Python (fp64); t counts from ``first_step``."""
+        return 1.0 - self.beta1**self.age if self.bias_correction else 1.0
 
     @property
     def prev_c(self) -> float:
         """c' = ``1 - b1**(t-1)``, the bias correction of the previous momentum (1 at t = 1, where that momentum is
         zero, and without bias correction)."""
-        if not self.bias_correction or self.step <= 1:
+        if not self.bias_correction or self.age <= 1:
             return 1.0
-        return 1.0 - self.beta1 ** (self.step - 1)
+        return 1.0 - self.beta1 ** (self.age - 1)
 
     @property
     def nu_beta2(self) -> float:
@@ -60,7 +69,7 @@ class AdamSHyper:
         """
         if not self.bias_correction:
             return self.beta2
-        b2, t = self.beta2, self.step
+        b2, t = self.beta2, self.age
         return b2 * (1.0 - b2 ** (t - 1)) / (1.0 - b2**t)
 
     @property

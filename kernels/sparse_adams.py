@@ -113,7 +113,7 @@ def interval_bound_per_step(h: AdamSHyper) -> float:
     """
     c, b1, b2 = h.bias_c, h.beta1, h.nu_beta2
     e = (1.0 - b1) / c
-    if h.step <= 1 or b1 == 0.0:  # no previous momentum to move along
+    if h.age <= 1 or b1 == 0.0:  # no previous momentum to move along
         return abs(e) / (1.0 - b2) ** 0.5
     if b2 == 0.0:  # nu = g^2: a gradient near zero leaves the momentum's step unbounded
         return math.inf

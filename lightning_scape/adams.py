@@ -6,8 +6,7 @@ AdamS keeps one state tensor, the first moment m. Its second-moment term is
 
 the squared previous momentum standing in for Adam's previous second-moment estimate, weighed as Adam's bias
 correction weighs it (b2_1 = 0: the first step moves every coordinate by the learning rate, as Adam's does; b2_t
-tends to b2). So it needs no exp_avg_sq, half of Adam's optimizer memory, and takes AdamW's hyperparameters
-unchanged.
+tends to b2). So it needs no exp_avg_sq, half of Adam's optimizer memory, and takes AdamW's hyperparameters.
 """
 
 from __future__ import annotations
@@ -32,7 +31,10 @@ class AdamS(Optimizer):
 
     Args:
         params: Parameters or param groups; every group may override any of the arguments below.
-        lr: Learning rate; AdamW's value for the same model carries over.
+        lr: Learning rate. AdamW's value for the same model carries over up to about 1e-3; above it take about
+            half of it. Where a gradient is mostly noise AdamS still moves the coordinate by about lr per step
+            (AdamW's steps shrink there), so it steps further than AdamW at the same rate; decay the rate towards
+            the end of training (cosine or linear), as LLM recipes do (``docs/algorithm.md`` section 2).
         betas: (b1, b2). b1 drives the momentum that SCAPE's masks are built from; (0.9, 0.95) is the
             usual LLM choice.
         eps: Denominator epsilon; raise to 1e-6 for bf16-heavy runs where nu underflows.

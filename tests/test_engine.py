@@ -689,3 +689,39 @@ def test_construction_gives_every_rank_rank_zeros_parameters() -> None:
 
     a, b, _ = simulate(3, unsynced)
     assert not torch.equal(a, b)
+
+
+def test_a_group_that_joins_late_counts_its_bias_corrections_from_its_first_step_as_adamw() -> None:
+    """A param group added after three steps (what BaseFinetuning does) takes AdamW's first two steps exactly, as
+    torch's AdamW counts each parameter's steps: with the run's step count its first step moved every coordinate by
+    (1 - b1) / sqrt(1 - b2_t) lr (3.0 lr here at b2 = 0.999) instead of lr."""
+    torch.manual_seed(0)
+    head, backbone = nn.Linear(4, 3), nn.Linear(5, 4)
+    twin = nn.Linear(5, 4)
+    twin.load_state_dict(backbone.state_dict())
+    backbone.requires_grad_(False)
+    opt = AdamS(head.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    engine = ScapeEngine(opt, ScapeConfig(), SoloCommunicator(), list(head.parameters()) + list(backbone.parameters()))
+    reference = torch.optim.AdamW(twin.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.01)
+    for step in range(5):
+        if step == 3:  # unfreeze the backbone: it joins the engine in a bucket of its own
+            backbone.requires_grad_(True)
+            opt.add_param_group({"params": list(backbone.parameters())})
+            assert engine.add_trainable_params() == 24 and engine.buckets[-1].first_step == 3
+        x = torch.randn(8, 5) * 10.0**step  # a growing input: a growing gradient
+        if step >= 3:  # the same gradient for the twin, through the same head, before anything steps
+            reference.zero_grad()
+            head(torch.tanh(twin(x))).square().mean().backward(inputs=list(twin.parameters()))
+        head(torch.tanh(backbone(x))).square().mean().backward()
+        engine.step()
+        engine.zero_grad()
+        if step >= 3:
+            reference.step()
+            torch.testing.assert_close(flat(backbone.parameters()), flat(twin.parameters()), rtol=0, atol=1e-6)
+    state = engine.state_dict()
+    assert [b["first_step"] for b in state["buckets"]] == [0, 3]
+    engine.load_state_dict(state)  # it resumes with its own count
+    assert engine.buckets[-1].first_step == 3
+    state["buckets"][-1]["first_step"] = 6  # after the state's step 5: not a step it could have joined at
+    with pytest.raises(ValueError, match="bucket 1 joined at step 6"):
+        engine.check_state_dict(state)

@@ -35,6 +35,8 @@ class BucketState:
             the parameter all-gather's send buffer; allocated at the first warm-up step, freed after the last.
         k: Slots per chunk of the step being taken (the density ramp changes it); the compact buffers are
             views of that size into buffers allocated once for the largest k of the run.
+        first_step: The engine's step count when the bucket joined (0: from the start); AdamS's bias
+            corrections count the bucket's steps from it, as Adam counts each parameter's.
     """
 
     def __init__(self, layout: Bucket, config: ScapeConfig, rank: int) -> None:
@@ -59,6 +61,7 @@ class BucketState:
         self._updated = torch.zeros(region_chunks * cap, dtype=dt, device=dev)
         self._gathered = torch.zeros(layout.chunks * cap, dtype=dt, device=dev) if self.sharded else None
         self.dense_shard: Tensor | None = None
+        self.first_step = 0
         self.int8_wire = config.wire_format == "int8"
         self.dense_int8_group = int8_dense_group(layout.shard_numel)  # int8 wire: coordinates per scale
 

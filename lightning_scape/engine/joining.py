@@ -85,6 +85,7 @@ def join_trainable_params(engine: ScapeEngine) -> int:
         sync_from_rank0(engine, new)
     for bs in new:
         bs.grads.zero_()  # a gradient computed before they joined was not sent: it is not applied either
+        bs.first_step = engine.step_count  # their momentum starts now: its bias corrections count from here
         if not engine.in_warmup:
             bs.last_sent.fill_(engine.step_count)
     engine.masks.add_buckets(new, engine.step_count)

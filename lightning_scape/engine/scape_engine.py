@@ -192,7 +192,7 @@ class ScapeEngine:
         hypers = self._hypers(step.step, sparse=False)
         gathers: list[Pending | None] = []
         for bs, g in zip(self.buckets, synced, strict=True):
-            gathers.append(update.dense_update(bs, g, hypers[bs.layout.group_index], self.wire))
+            gathers.append(update.dense_update(bs, g, update.for_bucket(hypers, bs), self.wire))
         # 5. Wait for the gathers in order.
         for pending in gathers:
             if pending is not None:
@@ -221,7 +221,7 @@ class ScapeEngine:
         hypers = self._hypers(step.step, sparse=True)
         gathers: list[Pending | None] = []
         for bs, mask, g in zip(self.buckets, masks, synced, strict=True):
-            gathers.append(update.sparse_update(bs, mask, g, hypers[bs.layout.group_index], self.wire))
+            gathers.append(update.sparse_update(bs, mask, g, update.for_bucket(hypers, bs), self.wire))
         # 5. Build the next masks (and launch their index all-gathers) while the parameter gathers are in flight.
         self.masks.after_sparse_step(step.step)
         # 6. Wait for the gathers in order, and write the new values at the mask.

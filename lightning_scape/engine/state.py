@@ -55,6 +55,7 @@ def engine_state(engine: ScapeEngine) -> dict[str, Any]:
                 bs.last_sent.clone(),
                 masks=[m.indices.clone() for m in masks.queues[i]],
                 last_built=None if (lb := masks.last_built[i]) is None else lb.indices.clone(),
+                first_step=bs.first_step,
             )
             for i, bs in enumerate(engine.buckets)
         ],
@@ -98,15 +99,22 @@ def _outline(
 
 
 def _bucket_state(
-    momentum: Tensor, residual: Tensor, last_sent: Tensor, masks: list[Tensor], last_built: Tensor | None
+    momentum: Tensor,
+    residual: Tensor,
+    last_sent: Tensor,
+    masks: list[Tensor],
+    last_built: Tensor | None,
+    first_step: int,
 ) -> dict[str, Any]:
-    """One bucket's part of a state: its tensors, and its queued and last-built masks' indices."""
+    """One bucket's part of a state: its tensors, its queued and last-built masks' indices, and the step it joined
+    at (a state saved before that was kept holds no ``first_step``: 0)."""
     return {
         "momentum": momentum,
         "residual": residual,
         "last_sent": last_sent,
         "masks": masks,
         "last_built": last_built,
+        "first_step": first_step,
     }
 
 
@@ -136,6 +144,9 @@ def check_engine_state(engine: ScapeEngine, state: Any) -> None:
         k_min, k_max = engine.config.slots_for(bs.layout.chunk_size), engine.config.max_slots(bs.layout.chunk_size)
         for name, t in (("momentum", bs.momentum), ("residual", bs.residual), ("last_sent", bs.last_sent)):
             _check_tensor(saved[name], t.dtype, t.numel(), f"bucket {i} {name}")
+        first = saved.get("first_step", 0)
+        if type(first) is not int or not 0 <= first <= int(state["step_count"]):
+            raise ValueError(f"SCAPE state: bucket {i} joined at step {first!r}, not an int in [0, step_count].")
         masks = list(saved["masks"]) + ([] if saved["last_built"] is None else [saved["last_built"]])
         for ix in masks:
             fits = isinstance(ix, Tensor) and ix.dtype == torch.int16 and ix.dim() == 2
@@ -159,6 +170,7 @@ def load_engine_state(engine: ScapeEngine, state: dict[str, Any]) -> None:
         bs.momentum.copy_(saved["momentum"])
         bs.residual.copy_(saved["residual"])
         bs.last_sent.copy_(saved["last_sent"])
+        bs.first_step = int(saved.get("first_step", 0))
         dev = bs.params.device
         masks.queues[i] = deque(Mask(ix.to(dev)) for ix in saved["masks"])
         lb = saved["last_built"]
@@ -209,6 +221,7 @@ class StateResharder:
         self.saved_world_size = saved_world_size
         self._fed = 0
         self._first: dict[str, Any] | None = None
+        self._first_steps: list[int] = [0] * len(engine.buckets)
         self._counters: dict[str, Any] | None = None
         self._momentum = [torch.zeros_like(bs.momentum, device="cpu") for bs in engine.buckets]
         self._last_sent = [torch.zeros_like(bs.last_sent, device="cpu") for bs in engine.buckets]
@@ -240,6 +253,7 @@ class StateResharder:
         engine = self.engine
         if self._first is None:
             self._first = {k: state[k] for k in ("step_count", "refresh_count", "peak_lr")}
+            self._first_steps = [int(b.get("first_step", 0)) for b in state["buckets"]]
             if int(state["step_count"]) >= engine.config.dense_steps:
                 # Past the warm-up every coordinate has a last-sent step; the new padding gets the resume step.
                 for t in self._last_sent:
@@ -280,8 +294,10 @@ class StateResharder:
             peak_lr=list(self._first["peak_lr"]),
             counters=self._counters,
             buckets=[
-                _bucket_state(m, e, s, masks=[], last_built=None)
-                for m, e, s in zip(self._momentum, self._residual, self._last_sent, strict=True)
+                _bucket_state(m, e, s, masks=[], last_built=None, first_step=first)
+                for m, e, s, first in zip(
+                    self._momentum, self._residual, self._last_sent, self._first_steps, strict=True
+                )
             ],
         )
         return {**state, RESHARDED_FROM: W}

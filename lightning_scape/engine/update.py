@@ -7,6 +7,7 @@ scheduler's writes to ``param_group["lr"]`` take effect at the next step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -46,6 +47,12 @@ def step_hyper(group: Mapping[str, Any], step: int, config: ScapeConfig, peak_lr
         bias_correction=group.get("bias_correction", True),
         catch_up_cap=cap,
     )
+
+
+def for_bucket(hypers: list[AdamSHyper], bucket: BucketState) -> AdamSHyper:
+    """The hyperparameters of ``bucket``'s param group, its bias corrections counted from the step it joined."""
+    hyper = hypers[bucket.layout.group_index]
+    return hyper if bucket.first_step == 0 else dataclasses.replace(hyper, first_step=bucket.first_step)
 
 
 def clip_(synced: list[Tensor], coef: Tensor | None, clip_value: float | None) -> None:
