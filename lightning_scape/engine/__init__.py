@@ -8,6 +8,7 @@ lives; the modules beside it hold one mechanism each, in dependency order:
 * :mod:`~lightning_scape.engine.feedback`: error feedback and compaction;
 * :mod:`~lightning_scape.engine.update`: the dense and interval updates and their hyperparameters;
 * :mod:`~lightning_scape.engine.masks`: the mask schedule;
+* :mod:`~lightning_scape.engine.waiting`: the saved state of parameters frozen when a state loads, kept for them;
 * :mod:`~lightning_scape.engine.joining`: parameters joining the engine, at construction and when unfrozen later;
 * :mod:`~lightning_scape.engine.step`: one step in flight (launches, waits, norm, finiteness);
 * :mod:`~lightning_scape.engine.state`: checkpoints and re-sharding.

@@ -15,7 +15,7 @@ once. Every rank builds and gathers at the same points, so every rank issues the
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -89,25 +89,45 @@ class MaskSchedule:
             self.refresh_count = max(0, self.refresh_count - 1)
             self._queue(new=True, for_step=step + 1)
 
-    def add_buckets(self, new: list[BucketState], step: int) -> None:
+    def add_buckets(
+        self, new: list[BucketState], step: int, kept: Mapping[int, tuple[list[Tensor], Tensor | None]] | None = None
+    ) -> None:
         """Buckets that joined the engine after step ``step`` (already in ``buckets``), e.g. unfrozen parameters.
 
         During the warm-up nothing more: its end builds their first masks with the others'. After it, each gets
-        a mask now, from its zero statistics (its exploration window and the random slots), queued like the
-        others' (``mask_delay`` copies); it does not count as a refresh. Every rank must call this at the same
-        point (the index all-gathers).
+        a mask now, from its statistics (zero for new parameters: the exploration window and the random slots),
+        queued like the others' (``mask_delay`` copies); it does not count as a refresh. A bucket in ``kept``
+        (index: its saved queued masks and last built one) takes those instead. Every rank must call this at the
+        same point (the index all-gathers).
         """
-        for _ in new:
+        kept = kept or {}
+        for bs in new:
             self.queues.append(deque())
             self.last_built.append(None)
+            if bs.layout.index in kept:
+                self.keep(bs.layout.index, *kept[bs.layout.index])
         if step < self.config.dense_steps:
             return
         for bs in new:
             i = bs.layout.index
+            if i in kept:
+                continue
             self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard], step + 1, count=False)
             built = self.last_built[i]
             assert built is not None
             self.queues[i].extend([built] * self.config.mask_delay)
+
+    def keep(self, i: int, masks: list[Tensor], last_built: Tensor | None) -> None:
+        """Bucket ``i``'s queued masks and last built one are these (saved) indices."""
+        dev = self.buckets[i].params.device
+        self.queues[i] = deque(Mask(ix.to(dev)) for ix in masks)
+        self.last_built[i] = None if last_built is None else Mask(last_built.to(dev))
+
+    def truncate(self, n: int) -> None:
+        """Forget the masks of the buckets after the first ``n`` (their bucket left the engine)."""
+        self.wait_all()
+        del self.queues[n:]
+        del self.last_built[n:]
 
     def after_sparse_step(self, step: int) -> None:
         """At the end of sparse step ``step``: queue the mask of the step ``mask_delay`` steps later."""

@@ -35,6 +35,7 @@ from lightning_scape.engine.buckets import BucketState
 from lightning_scape.engine.layout import build_buckets
 from lightning_scape.engine.masks import MaskSchedule
 from lightning_scape.engine.step import StepInFlight
+from lightning_scape.engine.waiting import WaitingBucket
 from lightning_scape.kernels import AdamSHyper
 
 __all__ = ["BucketState", "ScapeEngine"]
@@ -98,6 +99,8 @@ class ScapeEngine:
         self.numel = self.padded_numel = 0  # real and padded parameters of all buckets (joining.bind counts them)
         layouts = build_buckets(optimizer.param_groups, self.world_size, cfg.chunk_size, cfg.bucket_cap_mb, param_order)
         joining.bind(self, layouts)
+        self.fixed_buckets = len(self.buckets)  # laid out at construction: a state that loads never moves these
+        self.waiting: list[WaitingBucket] = []  # saved buckets whose parameters had not joined (engine/waiting.py)
         self.counters = ByteCounters(world_size=self.world_size)
         self.wire = Wire(self.comm, self.counters)
         self.sync_params = sync_params

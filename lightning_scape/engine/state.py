@@ -4,6 +4,11 @@ The state holds this rank's momentum region, residual, last-sent steps, queued a
 step and refresh counters and the byte counters; the parameters are the model's and are saved with it.
 Every rank saves and loads its own. Loading checks everything first and changes nothing on a mismatch.
 
+Each saved bucket names its parameters (their numbers in the optimizer's param groups, as a torch optimizer's
+state dict numbers them) and its chunk size. A bucket whose parameters have not joined the engine when the state
+loads (frozen again: Lightning's ``BaseFinetuning`` does that when a fit resumes) waits for them
+(:mod:`~lightning_scape.engine.waiting`), and is saved again with the next state.
+
 A state saved by W ranks loads on W' != W ranks once :class:`StateResharder` has built each new rank's state
 from the W old ones (read one at a time): the momentum and last-sent steps of the new region copied from the
 old shards that overlap it, the residuals redistributed so that the global unsent gradient (the mean over
@@ -14,15 +19,18 @@ rebuilds them from the restored statistics.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_scape.adams import state_dtype_for
 from lightning_scape.config import ScapeConfig
-from lightning_scape.engine.masks import Mask
+from lightning_scape.engine import joining
+from lightning_scape.engine.layout import Bucket, ParamPlace
+from lightning_scape.engine.waiting import WaitingBucket
 
 if TYPE_CHECKING:
     from lightning_scape.engine import ScapeEngine
@@ -39,12 +47,15 @@ RESHARDED_FROM = "resharded_from"
 
 
 def engine_state(engine: ScapeEngine) -> dict[str, Any]:
-    """This rank's SCAPE state (waits for masks still being gathered)."""
+    """This rank's SCAPE state (waits for masks still being gathered); buckets that wait for their parameters
+    (:class:`~lightning_scape.engine.waiting.WaitingBucket`) come after the engine's own."""
     engine.masks.wait_all()
     masks = engine.masks
-    return _outline(
+    numbers = param_numbers(engine)
+    step, cfg = engine.step_count, engine.config
+    state = _outline(
         engine,
-        step_count=engine.step_count,
+        step_count=step,
         refresh_count=masks.refresh_count,
         peak_lr=list(engine.peak_lr),
         counters=engine.counters.state_dict(),
@@ -56,10 +67,36 @@ def engine_state(engine: ScapeEngine) -> dict[str, Any]:
                 masks=[m.indices.clone() for m in masks.queues[i]],
                 last_built=None if (lb := masks.last_built[i]) is None else lb.indices.clone(),
                 first_step=bs.first_step,
+                params=bucket_params(numbers, bs.layout),
+                chunk_size=bs.layout.chunk_size,
             )
             for i, bs in enumerate(engine.buckets)
+        ]
+        + [
+            {
+                **w.state(step, cfg.dense_steps, engine.rank, cfg.sharded),
+                "params": bucket_params(numbers, w.layout),
+                "chunk_size": w.layout.chunk_size,
+            }
+            for w in engine.waiting
         ],
     )
+    state["layout"] += [_triple(w.layout) for w in engine.waiting]
+    return state
+
+
+def param_numbers(engine: ScapeEngine) -> dict[int, int]:
+    """Each parameter of the optimizer's param groups (by id) numbered as a torch optimizer's state dict numbers
+    it: in the order of the groups, a parameter listed twice keeps its first number."""
+    numbers: dict[int, int] = {}
+    for n, p in enumerate(p for g in engine.optimizer.param_groups for p in g["params"]):
+        numbers.setdefault(id(p), n)
+    return numbers
+
+
+def bucket_params(numbers: Mapping[int, int], layout: Bucket) -> list[int]:
+    """The numbers (:func:`param_numbers`) of a bucket's parameters in its order; -1: no longer in a param group."""
+    return [numbers.get(id(place.param), -1) for place in layout.places]
 
 
 def _outline(
@@ -105,9 +142,12 @@ def _bucket_state(
     masks: list[Tensor],
     last_built: Tensor | None,
     first_step: int,
+    params: list[int],
+    chunk_size: int,
 ) -> dict[str, Any]:
-    """One bucket's part of a state: its tensors, its queued and last-built masks' indices, and the step it joined
-    at (a state saved before that was kept holds no ``first_step``: 0)."""
+    """One bucket's part of a state: its tensors, its queued and last-built masks' indices, the step it joined at,
+    its parameters (:func:`bucket_params`) and its chunk size. A state saved before these were kept holds no
+    ``first_step`` (0), and no ``params`` or ``chunk_size`` (its layout must then be the engine's exactly)."""
     return {
         "momentum": momentum,
         "residual": residual,
@@ -115,6 +155,8 @@ def _bucket_state(
         "masks": masks,
         "last_built": last_built,
         "first_step": first_step,
+        "params": params,
+        "chunk_size": chunk_size,
     }
 
 
@@ -122,7 +164,7 @@ def check_engine_state(engine: ScapeEngine, state: Any) -> None:
     """Raise ``ValueError`` unless :func:`load_engine_state` can restore ``state`` exactly; changes nothing.
 
     Checks the format version, world size and rank, the configuration (``collective_timeout_s`` may differ),
-    the bucket layout, and the shape and dtype of every saved tensor.
+    the bucket layout (:func:`_pair_buckets`), and the shape and dtype of every saved tensor.
     """
     _check_version(state)
     if state["world_size"] != engine.world_size or state["rank"] != engine.rank:
@@ -134,27 +176,7 @@ def check_engine_state(engine: ScapeEngine, state: Any) -> None:
         )
     _check_config(engine, state)
     _check_peak_lr(engine, state)
-    saved_layout = [tuple(x) for x in state["layout"]]
-    if saved_layout != _layout(engine) or len(state["buckets"]) != len(engine.buckets):
-        raise ValueError(
-            "SCAPE state has another bucket layout (model, param groups or bucket_cap_mb changed): "
-            f"saved {saved_layout}, current {_layout(engine)}."
-        )
-    for i, (bs, saved) in enumerate(zip(engine.buckets, state["buckets"], strict=True)):
-        k_min, k_max = engine.config.slots_for(bs.layout.chunk_size), engine.config.max_slots(bs.layout.chunk_size)
-        for name, t in (("momentum", bs.momentum), ("residual", bs.residual), ("last_sent", bs.last_sent)):
-            _check_tensor(saved[name], t.dtype, t.numel(), f"bucket {i} {name}")
-        first = saved.get("first_step", 0)
-        if type(first) is not int or not 0 <= first <= int(state["step_count"]):
-            raise ValueError(f"SCAPE state: bucket {i} joined at step {first!r}, not an int in [0, step_count].")
-        masks = list(saved["masks"]) + ([] if saved["last_built"] is None else [saved["last_built"]])
-        for ix in masks:
-            fits = isinstance(ix, Tensor) and ix.dtype == torch.int16 and ix.dim() == 2
-            if not fits or ix.shape[0] != bs.layout.chunks or not k_min <= ix.shape[1] <= k_max:
-                raise ValueError(
-                    f"SCAPE state: bucket {i} has a mask that is not int16 of shape ({bs.layout.chunks}, k) with "
-                    f"{k_min} <= k <= {k_max}."
-                )
+    _plan_load(engine, state)
 
 
 @torch.no_grad()
@@ -162,25 +184,181 @@ def load_engine_state(engine: ScapeEngine, state: dict[str, Any]) -> None:
     """Restore :func:`engine_state`; refuses (changing nothing) a state that :func:`check_engine_state` rejects.
 
     A re-sharded state (from :class:`StateResharder`) has no masks: they are rebuilt from the restored momentum
-    and residual, which launches the index all-gathers, so every rank must load at the same point.
+    and residual, which launches the index all-gathers, so every rank must load at the same point. Buckets that
+    joined the engine after its construction and are not the state's next ones are laid out again: from the
+    state, when their parameters join next (:class:`~lightning_scape.engine.waiting.WaitingBucket`).
     """
     check_engine_state(engine, state)
+    pairing, waiting = _plan_load(engine, state)
+    joining.unbind(engine, pairing.kept)
     masks = engine.masks
-    for i, (bs, saved) in enumerate(zip(engine.buckets, state["buckets"], strict=True)):
+    for saved, i in zip(state["buckets"], pairing.engine_of, strict=True):
+        if i is None:
+            continue
+        bs = engine.buckets[i]
         bs.momentum.copy_(saved["momentum"])
         bs.residual.copy_(saved["residual"])
         bs.last_sent.copy_(saved["last_sent"])
         bs.first_step = int(saved.get("first_step", 0))
-        dev = bs.params.device
-        masks.queues[i] = deque(Mask(ix.to(dev)) for ix in saved["masks"])
-        lb = saved["last_built"]
-        masks.last_built[i] = None if lb is None else Mask(lb.to(dev))
+        masks.keep(i, saved["masks"], saved["last_built"])
+    engine.waiting = waiting
     engine.step_count = int(state["step_count"])
     engine.peak_lr = [float(x) for x in state["peak_lr"]]
     masks.refresh_count = int(state["refresh_count"])
     engine.counters.load_state_dict(state["counters"])
     if state.get(RESHARDED_FROM) is not None:
         masks.restart(engine.step_count)
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """What a bucket's saved tensors must fit on this rank."""
+
+    chunks: int
+    chunk_size: int
+    region: int  # the momentum's and last-sent steps' elements
+    padded: int  # the residual's elements
+    dtype: torch.dtype  # the momentum's and the residual's
+
+    @classmethod
+    def of(cls, layout: Bucket, sharded: bool) -> _Geometry:
+        region = layout.shard_numel if sharded else layout.padded_numel
+        return cls(layout.chunks, layout.chunk_size, region, layout.padded_numel, state_dtype_for(layout.dtype))
+
+
+@dataclass(frozen=True)
+class _Pairing:
+    """How a saved state's buckets meet the engine's (:func:`_pair_buckets`).
+
+    Attributes:
+        engine_of: Per saved bucket, the engine's bucket that loads it; None: it waits for its parameters.
+        kept: The engine's first ``kept`` buckets pair; those after them joined after its construction and are
+            laid out again (:func:`~lightning_scape.engine.joining.unbind`).
+    """
+
+    engine_of: list[int | None]
+    kept: int
+
+
+def _plan_load(engine: ScapeEngine, state: dict[str, Any]) -> tuple[_Pairing, list[WaitingBucket]]:
+    """Check every saved bucket against what will load it; the pairing, and the buckets that wait.
+
+    A waiting bucket keeps the state of its parameters that no bucket of the engine, nor one saved before it,
+    holds (a parameter in two saved buckets: the first is the one it was last laid out in).
+    """
+    pairing = _pair_buckets(engine, state)
+    step, cfg = int(state["step_count"]), engine.config
+    claimed = {id(place.param) for bs in engine.buckets[: pairing.kept] for place in bs.layout.places}
+    waiting = []
+    for j, (saved, i) in enumerate(zip(state["buckets"], pairing.engine_of, strict=True)):
+        layout = engine.buckets[i].layout if i is not None else _saved_layout(engine, state, j)
+        _check_bucket(cfg, j, saved, _Geometry.of(layout, cfg.sharded), step)
+        if i is not None:
+            continue
+        ids = {id(place.param) for place in layout.places}
+        if ids - claimed:
+            waiting.append(_waiting_bucket(layout, saved, step, ids - claimed))
+        claimed |= ids
+    return pairing, waiting
+
+
+def _pair_buckets(engine: ScapeEngine, state: dict[str, Any]) -> _Pairing:
+    """Which engine bucket loads each saved bucket: in order, the same parameters (their numbers in the param
+    groups), group, size, padding and chunk size. The buckets of the engine's construction must all pair; a saved
+    bucket that pairs with none waits for its parameters. A state saved before buckets named their parameters
+    loads only into the same layout."""
+    saved = [tuple(x) for x in state["layout"]]
+    current = _layout(engine)
+    buckets = state["buckets"]
+    pairing = None
+    if len(saved) == len(buckets) and all(b.get("params") is not None for b in buckets):
+        pairing = _pair_in_order(engine, saved, buckets)
+    elif len(saved) == len(buckets) and saved == current:
+        pairing = _Pairing(list(range(len(saved))), len(saved))
+    if pairing is None:
+        raise ValueError(
+            "SCAPE state has another bucket layout (model, param groups or bucket_cap_mb changed): "
+            f"saved {saved}, current {current}. (A saved bucket whose parameters are frozen now waits for them, but "
+            "the buckets laid out when the optimizer was set up must be the saved state's first ones.)"
+        )
+    return pairing
+
+
+def _pair_in_order(engine: ScapeEngine, saved: list[tuple[Any, ...]], buckets: list[Any]) -> _Pairing | None:
+    """:func:`_pair_buckets` for a state whose buckets name their parameters; None: they do not pair."""
+    numbers = param_numbers(engine)
+    mine = [(_triple(bs.layout), bucket_params(numbers, bs.layout), bs.layout.chunk_size) for bs in engine.buckets]
+    engine_of: list[int | None] = []
+    i = 0
+    for triple, bucket in zip(saved, buckets, strict=True):
+        if i < len(mine) and (triple, list(bucket["params"]), bucket.get("chunk_size")) == mine[i]:
+            engine_of.append(i)
+            i += 1
+        else:
+            engine_of.append(None)
+    return _Pairing(engine_of, i) if i >= engine.fixed_buckets else None
+
+
+def _saved_layout(engine: ScapeEngine, state: dict[str, Any], j: int) -> Bucket:
+    """The geometry of saved bucket ``j``, its places holding the parameters of the optimizer it names."""
+    group, numel, padded = (int(x) for x in state["layout"][j])
+    numbers, chunk = state["buckets"][j]["params"], state["buckets"][j].get("chunk_size")
+    entries = [(gi, p) for gi, g in enumerate(engine.optimizer.param_groups) for p in g["params"]]
+    params: list[nn.Parameter] = [
+        entries[n][1] for n in numbers if type(n) is int and 0 <= n < len(entries) and entries[n][0] == group
+    ]
+    if not params or len(params) != len(numbers):
+        raise ValueError(
+            f"SCAPE state: bucket {j} holds parameters {list(numbers)} of param group {group}, which this optimizer's "
+            "param groups do not hold there (the model or its param groups changed)."
+        )
+    kinds, size, W = {(p.dtype, p.device) for p in params}, sum(p.numel() for p in params), engine.world_size
+    fits = type(chunk) is int and 0 < chunk <= engine.config.chunk_size and numel <= padded and not padded % (W * chunk)
+    if len(kinds) != 1 or size != numel or not fits:
+        raise ValueError(
+            f"SCAPE state: bucket {j} ({numel} parameters of param group {group}, padded to {padded} in chunks of "
+            f"{chunk!r}) does not fit its parameters here ({size} parameters of {sorted(map(str, kinds))}): the model "
+            "changed."
+        )
+    ((dtype, device),) = kinds
+    bucket = Bucket(-1, group, dtype, device, numel=numel, padded_numel=padded, world_size=W, chunk_size=chunk)
+    for p in params:
+        bucket.places.append(ParamPlace(p, sum(place.numel for place in bucket.places), p.numel()))
+    return bucket
+
+
+def _waiting_bucket(layout: Bucket, saved: dict[str, Any], step: int, left: set[int]) -> WaitingBucket:
+    return WaitingBucket(
+        layout,
+        momentum=saved["momentum"],
+        last_sent=saved["last_sent"],
+        residual=saved["residual"],
+        masks=list(saved["masks"]),
+        last_built=saved["last_built"],
+        first_step=int(saved.get("first_step", 0)),
+        saved_step=step,
+        left=left,
+    )
+
+
+def _check_bucket(config: ScapeConfig, j: int, saved: dict[str, Any], geometry: _Geometry, step_count: int) -> None:
+    """Raise ``ValueError`` unless saved bucket ``j``'s tensors, first step and masks fit ``geometry``."""
+    C = geometry.chunk_size
+    k_min, k_max = config.slots_for(C), config.max_slots(C)
+    _check_tensor(saved["momentum"], geometry.dtype, geometry.region, f"bucket {j} momentum")
+    _check_tensor(saved["residual"], geometry.dtype, geometry.padded, f"bucket {j} residual")
+    _check_tensor(saved["last_sent"], torch.int32, geometry.region, f"bucket {j} last_sent")
+    first = saved.get("first_step", 0)
+    if type(first) is not int or not 0 <= first <= step_count:
+        raise ValueError(f"SCAPE state: bucket {j} joined at step {first!r}, not an int in [0, step_count].")
+    masks = list(saved["masks"]) + ([] if saved["last_built"] is None else [saved["last_built"]])
+    for ix in masks:
+        fits = isinstance(ix, Tensor) and ix.dtype == torch.int16 and ix.dim() == 2
+        if not fits or ix.shape[0] != geometry.chunks or not k_min <= ix.shape[1] <= k_max:
+            raise ValueError(
+                f"SCAPE state: bucket {j} has a mask that is not int16 of shape ({geometry.chunks}, k) with "
+                f"{k_min} <= k <= {k_max}."
+            )
 
 
 class StateResharder:
@@ -287,6 +465,7 @@ class StateResharder:
         for residual, rest, total, owner in zip(self._residual, self._rest, self._sum, self._owner, strict=True):
             # W' E - e_old_owner, with E = sum / W; on one rank E itself (the owner's share is the whole mass).
             residual[rest] = total * engine.world_size / W - owner
+        numbers = param_numbers(engine)
         state = _outline(
             engine,
             step_count=self._first["step_count"],
@@ -294,9 +473,11 @@ class StateResharder:
             peak_lr=list(self._first["peak_lr"]),
             counters=self._counters,
             buckets=[
-                _bucket_state(m, e, s, masks=[], last_built=None, first_step=first)
-                for m, e, s, first in zip(
-                    self._momentum, self._residual, self._last_sent, self._first_steps, strict=True
+                _bucket_state(
+                    m, e, s, [], None, first, bucket_params(numbers, bs.layout), chunk_size=bs.layout.chunk_size
+                )
+                for m, e, s, first, bs in zip(
+                    self._momentum, self._residual, self._last_sent, self._first_steps, engine.buckets, strict=True
                 )
             ],
         )
@@ -318,7 +499,10 @@ class StateResharder:
         if [x[:2] for x in saved] != mine or len(state["buckets"]) != len(engine.buckets):
             raise ValueError(
                 "SCAPE state has another bucket layout (model, param groups or bucket_cap_mb changed): saved "
-                f"(param group, parameters) per bucket {[x[:2] for x in saved]}, current {mine}."
+                f"(param group, parameters) per bucket {[x[:2] for x in saved]}, current {mine}. (A bucket whose "
+                "parameters are frozen now, as BaseFinetuning leaves a backbone when a fit resumes, waits for them "
+                "only on the number of processes and with the settings that saved it: re-sharding needs every saved "
+                "bucket's parameters trainable when the state loads.)"
             )
         for i, ((_, n, padded), saved_bucket) in enumerate(zip(saved, state["buckets"], strict=True)):
             # The padding depends on the chunk size a run chose for the bucket (smaller for tiny models): check
@@ -432,4 +616,9 @@ def _copy_overlap(src: Tensor, src_at: slice, dst: Tensor, dst_at: slice, limit:
 
 
 def _layout(engine: ScapeEngine) -> list[tuple[int, int, int]]:
-    return [(b.layout.group_index, b.layout.numel, b.layout.padded_numel) for b in engine.buckets]
+    return [_triple(b.layout) for b in engine.buckets]
+
+
+def _triple(layout: Bucket) -> tuple[int, int, int]:
+    """A bucket as the state's ``layout`` lists it: param group, parameters, padded size."""
+    return (layout.group_index, layout.numel, layout.padded_numel)

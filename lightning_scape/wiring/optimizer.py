@@ -331,6 +331,14 @@ class ScapeOptimizer(Optimizer):
                 if k != "params":
                     group[k] = v
         self.engine.load_state_dict(state_dict["scape"])
+        waiting = self.engine.waiting
+        if waiting:  # Lightning's BaseFinetuning froze them again: under DDP too they stay frozen unless unfrozen
+            rank_zero_info(
+                f"lightning_scape: the checkpoint's SCAPE state of {sum(w.waiting_numel() for w in waiting):,} "
+                f"parameters (param group {sorted({w.layout.group_index for w in waiting})}) waits for them: they are "
+                "frozen now, and continue from it when they become trainable again. (BaseFinetuning freezes them "
+                "again when a fit resumes; they train again only if your callback unfreezes them, as under DDP.)"
+            )
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
