@@ -387,6 +387,55 @@ def test_another_shard_size_is_refused_with_the_fix(fsdp_runs: str) -> None:
 
 
 @scenario("fsdp_fabric")
+def load_raw(outdir: str) -> None:
+    """``fabric.load_raw`` of a plain, whole-model state dict (another initialisation of the model, and a key the
+    model does not have) into the set-up model, against a model set up from those weights: both then take the
+    same two steps. A file without ``lm_head.weight`` is refused under ``strict`` (nothing loaded), and without
+    ``strict`` loads the rest, as Lightning's ``ModelParallelStrategy`` does."""
+    from litgpt.model import GPT, Config
+
+    fabric = launch(ScapeFSDPStrategy(shard_size=S, **SPARSE))
+    torch.manual_seed(1)
+    other = GPT(Config(**GPT_CONFIG))
+    weights = {name: t.detach().clone() for name, t in other.state_dict().items()}
+    path, partial = os.path.join(outdir, "raw.pt"), os.path.join(outdir, "raw_partial.pt")
+    if rank() == 0:
+        torch.save({**weights, "extra.weight": torch.ones(3)}, path)
+        torch.save({k: v for k, v in weights.items() if k != "lm_head.weight"}, partial)
+    fabric.barrier()
+    model = fabric.setup_module(other)
+    expected = train(fabric, model, fabric.setup_optimizers(AdamS(model.parameters(), lr=LR)), range(2))
+
+    fabric = launch(ScapeFSDPStrategy(shard_size=S, **SPARSE))
+    model = fabric.setup_module(tiny_gpt())
+    opt = fabric.setup_optimizers(AdamS(model.parameters(), lr=LR))
+    fabric.load_raw(path, model)
+    loaded = {name: p.full_tensor() for name, p in model.module.named_parameters()}
+    trace = train(fabric, model, opt, range(2))
+    before = full_params(model)
+    expect_failure("load_raw_strict", outdir, lambda: fabric.load_raw(partial, model))
+    unchanged = torch.equal(before, full_params(model))
+    fabric.load_raw(partial, model, strict=False)
+    lenient = {name: p.full_tensor() for name, p in model.module.named_parameters()}
+    out = {"weights": weights, "loaded": loaded, "trace": trace, "expected": expected, "unchanged": unchanged}
+    save_output(outdir, "load_raw", rank(), {**out, "lenient": lenient, "before": before})
+
+
+def test_load_raw_loads_a_whole_state_dict_into_the_shards_as_model_parallel_strategy(fsdp_runs: str) -> None:
+    for out in load_outputs(fsdp_runs, "load_raw", W):
+        assert out["loaded"].keys() == out["weights"].keys()  # the file's extra key left alone
+        assert all(torch.equal(out["loaded"][k], v) for k, v in out["weights"].items())
+        # The engine steps from the loaded weights: the same steps as a model set up from them.
+        assert all(torch.equal(a, b) for a, b in zip(out["trace"], out["expected"], strict=True))
+        assert out["unchanged"]  # strict: refused on every rank before anything loaded
+        lenient = out["lenient"]
+        assert all(torch.equal(lenient[k], v) for k, v in out["weights"].items() if k != "lm_head.weight")
+        assert not torch.equal(lenient["lm_head.weight"], out["weights"]["lm_head.weight"])  # kept its value
+    for out in load_outputs(fsdp_runs, "load_raw_strict", W):
+        assert out["error"] is not None and "The model contains a key 'lm_head.weight'" in out["error"], out["error"]
+
+
+@scenario("fsdp_fabric")
 def bf16_mixed(outdir: str) -> None:
     """precision="bf16-mixed" (autocast; fp32 parameters, gradients and SCAPE state) at density 1."""
     fabric = launch(ScapeFSDPStrategy(density=1.0, dense_warmup_steps=0, shard_size=S), precision="bf16-mixed")

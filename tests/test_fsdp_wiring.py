@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
+from unittest.mock import Mock
 
 import pytest
+import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
 
 import lightning_scape
 from lightning_scape.wiring import fsdp
@@ -53,3 +57,16 @@ def test_param_groups_are_read_where_torch_2_11_and_2_13_keep_them() -> None:
     assert fsdp.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
     with pytest.raises(RuntimeError, match=r"checked with: 2\.11 or 2\.13"):
         fsdp.fsdp_param_groups(SimpleNamespace())
+
+
+def test_load_raw_takes_a_single_file_and_no_optimizer_as_lightnings_model_parallel_strategy(tmp_path: Path) -> None:
+    """Lightning's ``test_load_raw_checkpoint_validate_single_file`` and ``..._optimizer_unsupported`` for
+    ``ModelParallelStrategy``, with the FSDP form (``fabric.load_raw`` calls ``load_checkpoint`` with the object)."""
+    strategy = lightning_scape.ScapeFSDPStrategy()
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="The given path must be a single file containing the full state dict"):
+        strategy.load_checkpoint(path=folder, state=Mock(spec=nn.Module))
+    unsupported = "Loading a single optimizer object from a checkpoint is not supported"
+    with pytest.raises(NotImplementedError, match=unsupported):
+        strategy.load_checkpoint(path=tmp_path, state=Mock(spec=torch.optim.Optimizer))

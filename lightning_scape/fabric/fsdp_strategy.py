@@ -55,8 +55,9 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     ``fabric.setup(model, optimizer)`` works too. Supported: ``fabric.no_backward_sync`` (nothing is sent on
     accumulating micro-batches, not even inside the node), ``fabric.clip_gradients`` (by the global norm over all
     shards, or by value), precision ``"32-true"``, ``"bf16-mixed"`` and ``"bf16-true"``, meta-device
-    initialisation (``fabric.init_module(empty_init=True)``), and ``fabric.save`` / ``fabric.load`` of a sharded
-    checkpoint folder that resumes bitwise (onto the same number of processes and ``shard_size``).
+    initialisation (``fabric.init_module(empty_init=True)``), ``fabric.save`` / ``fabric.load`` of a sharded
+    checkpoint folder that resumes bitwise (onto the same number of processes and ``shard_size``), and
+    ``fabric.load_raw(path, model)`` of a plain, whole-model state dict file (each rank loads its shard).
 
     Args:
         shard_size: S, the processes that shard one model copy between them; default: the processes of one node.
@@ -242,9 +243,26 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Restore a checkpoint folder; everything is read and checked on every rank before anything is loaded."""
+        """Restore a checkpoint folder; everything is read and checked on every rank before anything is loaded.
+
+        ``fabric.load_raw(path, model)`` loads a plain, whole-model state dict file into the sharded model, as
+        Lightning's ``ModelParallelStrategy`` does (:func:`~lightning_scape.wiring.fsdp_checkpoint.load_full_state`).
+        """
+        if isinstance(state, Module):
+            fsdp_checkpoint.load_full_state(Path(self.broadcast(str(path))), state, strict, weights_only)
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "Loading a single optimizer object from a checkpoint is not supported yet with ScapeFSDPStrategy: a "
+                "SCAPE optimizer's state is per rank (the momentum, residual and masks of its shard). Save and load "
+                "it with fabric.save / fabric.load and a state dict."
+            )
         if not isinstance(state, dict) or not state:
-            raise ValueError("ScapeFSDPStrategy loads into a state dict: fabric.load(path, {'model': model, ...}).")
+            raise ValueError(
+                f"Got ScapeFSDPStrategy.load_checkpoint(..., state={state!r}), but a state with at least a model to "
+                "reload is required: fabric.load(path, {'model': model, 'optimizer': optimizer, ...}), or "
+                "fabric.load_raw(path, model) for a plain state dict file."
+            )
         folder = Path(self.broadcast(str(path)))
         modules, optimizers, rest = _split_state(state)
         checked = fsdp_checkpoint.read_and_check(folder, self.grid, modules, optimizers, strict)

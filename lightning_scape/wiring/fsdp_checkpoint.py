@@ -6,6 +6,10 @@ shard). ``<path>/meta.pt``, written by rank 0, holds the layout that wrote it (w
 everything else the user saved. Loading reads and checks everything on every rank, and the ranks agree on the
 outcome (:func:`~lightning_scape.wiring.rank_failures.agree`), before anything is loaded: a checkpoint from
 another layout is refused with the way to resume it.
+
+A plain, whole-model state dict in one file (``torch.save(model.state_dict(), path)``, a model written by another
+strategy) loads into the sharded model with :func:`load_full_state`, what ``fabric.load_raw(path, model)`` does
+under Lightning's ``ModelParallelStrategy``.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch.nn import Module
 
 from lightning_scape.wiring.fsdp import ShardGrid
 from lightning_scape.wiring.optimizer import ScapeOptimizer
-from lightning_scape.wiring.rank_failures import agree
+from lightning_scape.wiring.rank_failures import agree, agreed
 
 FORMAT = "scape_fsdp"
 VERSION = 1
@@ -115,9 +119,10 @@ def _read_and_check(
 ) -> Checked:
     meta_path = path / META_FILE
     if not meta_path.is_file():
+        whole = " A plain, whole-model state dict file loads with fabric.load_raw(path, model)." * path.is_file()
         raise ValueError(
             f"{path} is not a ScapeFSDPStrategy checkpoint (no {META_FILE}); it was written by another strategy. "
-            "Load it with that strategy, or start from its model weights."
+            f"Load it with that strategy, or start from its model weights.{whole}"
         )
     meta = torch.load(meta_path, weights_only=False)
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
@@ -192,3 +197,78 @@ def load_module(module: Module, saved: Mapping[str, Tensor]) -> None:
             continue
         target = own[name]
         (target.to_local() if isinstance(target, DTensor) else target).copy_(value)
+
+
+def load_full_state(path: Path, module: Module, strict: bool = True, weights_only: bool | None = None) -> None:
+    """Load a plain, whole-model state dict file into the sharded ``module``, as Lightning's ``ModelParallelStrategy``
+    does for ``fabric.load_raw(path, model)``: each rank copies its shard of every tensor in place, so the shards
+    stay views of the engine's buffers (set up or not, the next step starts from the loaded weights).
+
+    Every rank reads the file (memory-mapped) and checks it before any rank loads, and the ranks agree on the
+    outcome. As Lightning's: with ``strict``, every parameter and persistent buffer of the model must be in the
+    file; keys of the file that the model does not have are left alone.
+
+    Args:
+        path: The file.
+        module: The model set up by the strategy (sharded).
+        strict: Refuse a file that lacks a key of the model (``KeyError``); False: those keep their values.
+        weights_only: Passed on to ``torch.load``.
+
+    Raises:
+        ValueError: ``path`` is not a file (a checkpoint folder loads with ``fabric.load``), or a tensor's shape
+            is not the model's.
+        KeyError: ``strict``, and the file lacks a key of the model.
+    """
+    parts: dict[str, Tensor] = {}
+    with agreed(f"Loading {path} into the model (fabric.load_raw)"):
+        parts = _local_parts(path, module, strict, weights_only)
+    load_module(module, parts)
+
+
+def _local_parts(path: Path, module: Module, strict: bool, weights_only: bool | None) -> dict[str, Tensor]:
+    """This rank's part of each tensor of the file that the model holds, checked."""
+    if not path.is_file():
+        raise ValueError(
+            "Failed to load checkpoint directly into the model. The given path must be a single file containing the "
+            f"full state dict: {path}. (A ScapeFSDPStrategy checkpoint folder loads with fabric.load(path, state).)"
+        )
+    full = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    if not isinstance(full, Mapping):
+        raise ValueError(
+            f"{path} holds a {type(full).__name__}, not a state dict (parameter name -> tensor): save one with "
+            "torch.save(model.state_dict(), path)."
+        )
+    parts = {}
+    for name, target in module.state_dict(keep_vars=True).items():
+        if name in full:
+            parts[name] = _local_part(name, target, full[name])
+        elif strict:
+            raise KeyError(
+                f"The model contains a key '{name}' that does not exist in the loaded checkpoint. To disable strict "
+                "loading, set `strict=False`."
+            )
+    return parts
+
+
+def _local_part(name: str, target: Tensor, value: Any) -> Tensor:
+    """The rows of the whole tensor ``value`` that this rank's shard of ``target`` holds (all of it if unsharded)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(value, Tensor) or value.shape != target.shape:
+        found = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(
+            f"{name}: the file holds {found}, the model {tuple(target.shape)}: it comes from another model "
+            "configuration. Nothing was loaded."
+        )
+    if not isinstance(target, DTensor):
+        return value
+    mesh = target.device_mesh
+    if mesh.ndim != 1 or tuple(target.placements) != (Shard(0),):
+        raise ValueError(
+            f"{name} is sharded as {target.placements} over a mesh of shape {tuple(mesh.shape)}, not as "
+            "ScapeFSDPStrategy shards (Shard(0) inside a group): it was not set up by this strategy."
+        )
+    # FSDP2 cuts dim 0 as torch.chunk does: rank s holds chunk s, the last ranks possibly an empty one.
+    chunks = torch.chunk(value, mesh.size(), dim=0)
+    rank = mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else value[:0]
