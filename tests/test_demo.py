@@ -47,7 +47,9 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
     gap = scape["val_loss"] - dense["val_loss"]
     assert f"Quality: SCAPE ends {abs(gap):.3f} nats" in text and ("above" if gap >= 0 else "below") in text
     assert "loopback, which is never the" in text and "benchmarks/network/" in text
-    assert "differ by" not in text and ("same within noise" in text or "tokens/s are" in text)
+    # The throughput sentence is this run's own (which one depends on the machine's load: speed_phrase's test
+    # below checks each), wherever the notes' line breaks fall.
+    assert speed_phrase(scape, dense) in " ".join(text.split())
     # SCAPE sends more than the baseline in one step only, its last dense one (step 2): by the indices of the
     # first sparse step's mask, all-gathered a step ahead; the note names the step and the cause.
     extra = [

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import select
 import subprocess
-import time
 from typing import Any
 
 import pytest
@@ -118,11 +118,12 @@ def test_gloo_collectives_in_slices_move_what_one_message_moves() -> None:
         assert out == {"reduce_scatter": True, "all_gather": True, "int16": True}
 
 
-# Rank 0 reaches its exit with an all-gather in flight that rank 1 launches half a second later. The collective must be
-# waited on, and gloo's worker threads joined, before the interpreter finalizes: a gloo thread that frees the
-# collective's tensors then aborts the process (SIGABRT, "terminate called without an active exception"; 21 of 30
-# such pairs of processes without the exit hook, 0 of 30 with it), and without the wait rank 0 never holds rank
-# 1's values.
+# Rank 0 reaches its exit with an all-gather in flight, which rank 1 launches only once rank 0 is there (a key rank 0
+# sets in the store from its first exit hook). The collective must be waited on, and gloo's worker threads joined,
+# before the interpreter finalizes: a gloo thread that frees the collective's tensors then aborts the process
+# (SIGABRT, "terminate called without an active exception"; 21 of 30 such pairs of processes without the exit hook,
+# 0 of 30 with it), and without the wait rank 0 never holds rank 1's values. No timeout ends a wait: a rank that
+# waits for a collective its peer never launches (modes "fail" and "abandon") never gets past it.
 _EXIT_WITH_A_COLLECTIVE_IN_FLIGHT = (
     COMM_ONLY
     + """
@@ -131,20 +132,27 @@ from datetime import timedelta
 import torch, torch.distributed as dist
 from lightning_scape.comm import ProcessGroupCommunicator, abandon_in_flight
 rank, mode = int(sys.argv[1]), sys.argv[2]
-dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(hours=1))
+store = dist.distributed_c10d._get_default_store()
 out = torch.zeros(2 * 1000)
 atexit.register(  # registered first, so it runs last
     lambda: print(f"held at exit: {out.view(2, -1)[:, 0].tolist()}, groups left: {dist.is_initialized()}", flush=True)
 )
 if rank == 1:
-    time.sleep(0.5 if mode == "ok" else 30)  # "fail", "abandon": rank 1 never launches the all-gather
-pending = ProcessGroupCommunicator(timeout_s=60).all_gather(out, torch.full((1000,), rank + 0.5))
+    if mode != "ok":
+        time.sleep(24 * 3600)  # "fail", "abandon": rank 1 never launches the all-gather (the test kills it)
+    store.wait(["rank 0 is exiting"])
+pending = ProcessGroupCommunicator(timeout_s=24 * 3600).all_gather(out, torch.full((1000,), rank + 0.5))
+if rank == 0:
+    atexit.register(lambda: store.set("rank 0 is exiting", "1"))  # registered last, so it runs first
 if mode == "fail":
     raise ValueError("the training loop failed")
 if mode == "abandon":  # what a strategy's teardown after a failure calls
     abandon_in_flight()
 """
 )
+# How long a test waits for a line that a process prints within seconds: only a process that hangs takes longer.
+HANG_S = 300
 
 
 def _launch_pair(mode: str) -> list[subprocess.Popen[str]]:
@@ -163,7 +171,7 @@ def _launch_pair(mode: str) -> list[subprocess.Popen[str]]:
 
 def test_a_process_waits_at_exit_for_its_collectives_in_flight() -> None:
     procs = _launch_pair("ok")
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=HANG_S) for p in procs]
     for p, (stdout, stderr) in zip(procs, outs, strict=True):
         assert p.returncode == 0, stderr[-3000:]
         # Waited on, and the process group destroyed (gloo's threads joined) before the interpreter finalizes.
@@ -173,16 +181,16 @@ def test_a_process_waits_at_exit_for_its_collectives_in_flight() -> None:
 @pytest.mark.parametrize("mode", ["fail", "abandon"])
 def test_a_failing_process_does_not_wait_at_exit(mode: str) -> None:
     rank0, rank1 = _launch_pair(mode)
-    t0 = time.monotonic()
     try:
         assert rank0.stdout is not None
-        held = rank0.stdout.readline()  # the last exit hook's line: the communicator's hook has returned
-        waited_s = time.monotonic() - t0
+        # Its last exit hook's line: the communicator's hook has returned, though rank 1 never launched.
+        printed, _, _ = select.select([rank0.stdout], [], [], HANG_S)
+        held = rank0.stdout.readline() if printed else ""
     finally:
         rank1.kill()  # gloo's own teardown of rank 0 waits for the collective until its peer is gone
         rank1.communicate()
-    _, stderr = rank0.communicate(timeout=60)
+    _, stderr = rank0.communicate(timeout=HANG_S)
+    assert held, "the failing rank waited at exit for a collective its peer never launched"
     if mode == "fail":
         assert rank0.returncode == 1 and "ValueError: the training loop failed" in stderr, stderr[-3000:]
     assert held.startswith("held at exit:") and held.rstrip().endswith("groups left: True"), (held, stderr[-3000:])
-    assert waited_s < 20, "the failing rank waited at exit for a collective its peer never launched"

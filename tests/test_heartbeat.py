@@ -4,6 +4,7 @@ process that finished its work abort at exit."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch.distributed as dist
@@ -36,22 +37,31 @@ def test_a_process_exits_cleanly_while_its_heartbeats_beat() -> None:
         run_script(["-c", _EXIT_WHILE_BEATING], timeout_s=60)
 
 
+def _published(store: dist.TCPStore) -> tuple[int, int] | None:
+    """Rank 0's heartbeat entry: (beats, collectives issued), None before the first beat."""
+    if not store.check([_Heartbeat._key(0)]):
+        return None
+    beats, issued = store.get(_Heartbeat._key(0)).decode().split()
+    return int(beats), int(issued)
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for ``condition`` (a beat is due every 0.1 s); only a heartbeat that never beats takes a minute."""
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 def test_heartbeat_publishes_progress_and_stops() -> None:
     store = dist.TCPStore("127.0.0.1", 0, 1, True)
     hb = _Heartbeat(store, 0, 2, 3.0)  # a beat every 0.1 s
     hb.issued = 7
-    deadline = time.monotonic() + 10
-    while not (store.check([_Heartbeat._key(0)]) and store.get(_Heartbeat._key(0)).decode().endswith(" 7")):
-        assert time.monotonic() < deadline, "the heartbeat never published the collectives issued"
-        time.sleep(0.01)
-    beats = int(store.get(_Heartbeat._key(0)).decode().split()[0])
-    time.sleep(0.35)
-    assert int(store.get(_Heartbeat._key(0)).decode().split()[0]) > beats
+    _until(lambda: (_published(store) or (0, 0))[1] == 7, "the heartbeat never published the collectives issued")
+    beats = (_published(store) or (0, 0))[0]
+    _until(lambda: (_published(store) or (0, 0))[0] > beats, "the heartbeat published once and never again")
     hb.stop()
-    assert not hb._thread.is_alive()
-    after = store.get(_Heartbeat._key(0))
-    time.sleep(0.3)
-    assert store.get(_Heartbeat._key(0)) == after
+    assert not hb._thread.is_alive()  # stopped: nothing publishes any more
 
 
 def test_the_process_heartbeat_stops_on_request() -> None:

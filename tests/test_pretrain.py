@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +152,15 @@ def test_help_lists_the_scape_section_and_not_the_refused_options(capsys: pytest
 
 
 @pytest.mark.dist
-def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores_everything(tmp_path: Path) -> None:
+def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import types
 
     import torch._dynamo
     import yaml
 
+    import lightning_scape.litgpt.pretrain as pretrain_module
     from lightning_scape.litgpt.litgpt_adaptations import litgpt_adapted
     from lightning_scape.litgpt.pretrain import _Clock
 
@@ -177,11 +179,14 @@ def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores
     assert yaml.safe_load((tmp_path / "hyperparameters.yaml").read_text()) == {"scape": {"density": 0.01}}
     assert (tmp_path / "tokenizer.json").read_text() == '{"model": "bpe"}'
 
-    # With a clock and a Fabric: validation pauses the clock, and litgpt's "Tok/sec" line is not printed.
+    # With a clock and a Fabric: validation pauses the clock, and litgpt's "Tok/sec" line is not printed. The clock
+    # reads a counter that this test advances: 3 s of training around 100 s of validation.
     printed: list[str] = []
+    now = [0.0]
+    monkeypatch.setattr(pretrain_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     def validate(*args: Any) -> float:
-        time.sleep(0.2)
+        now[0] += 100.0
         return 1.0
 
     module = types.SimpleNamespace(save_hyperparameters=litgpt_save, validate=validate, save_checkpoint=print)
@@ -189,11 +194,13 @@ def test_litgpt_adaptation_writes_our_hyperparameters_and_tokenizer_and_restores
     clock = _Clock()
     with litgpt_adapted(module, compile=True, hyperparameters=None, data=data, fabric=fabric, clock=clock):
         clock.step_done(1)
+        now[0] += 1.0
         assert module.validate() == 1.0
+        now[0] += 2.0
         clock.step_done(2)
         for line in ("| - Total tokens  : 100", "| - Tok/sec       : 0.01 tok/s", "| - Memory Used   : 1 GB"):
             fabric.print(line)
-    assert clock.steps == 1 and clock.seconds < 0.1  # the 0.2 s of validation left out
+    assert clock.steps == 1 and clock.seconds == 3.0  # the 100 s of validation left out
     assert printed == ["| - Total tokens  : 100", "| - Memory Used   : 1 GB"]
     assert module.validate is validate and fabric.print == printed.append
 

@@ -12,6 +12,7 @@ the ``@scenario("fault")`` function and the ``fault_runs`` fixture).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -334,8 +335,8 @@ def test_compiled_model_matches_the_engine(fabric_runs: str) -> None:
 @scenario("fault")
 def peer_fails_in_a_sparse_step(outdir: str, victim: str) -> None:
     """Two "nodes" (NODE_RANK, MASTER_ADDR), collective timeout ``$SCAPE_TIMEOUT``: after three steps rank 1
-    kills itself (``victim="kill"``) or stops issuing collectives (``"hang"``); rank 0 prints ``READY <time>``
-    and tries three more steps."""
+    kills itself (``victim="kill"``) or stops issuing collectives (``"hang"``); rank 0 prints ``READY`` and tries
+    three more steps."""
     fabric = Fabric(
         accelerator="cpu",
         devices=1,
@@ -349,7 +350,7 @@ def peer_fails_in_a_sparse_step(outdir: str, victim: str) -> None:
         if victim == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(3600)  # "hang": never issue the next collective
-    print(f"READY {time.time()}", flush=True)
+    print("READY", flush=True)
     fabric_loop(fabric, model, opt, sched, 3, 6)
 
 
@@ -358,8 +359,8 @@ def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The "fault" scenario as two two-"node" jobs started by hand, run side by side: victim "kill" with a
     30 s collective timeout, "hang" with 6 s.
 
-    Returns, per victim, rank 0's exit code, its output, and the seconds from "READY" (printed by rank 0
-    right before the step that cannot complete) to its exit.
+    Returns, per victim, rank 0's exit code and its output. A survivor still running after 5 minutes (it stops
+    within seconds) is killed: its exit code is then negative.
     """
     jobs: dict[str, dict[str, Any]] = {}
     for victim, timeout in (("kill", 30.0), ("hang", 6.0)):
@@ -379,13 +380,12 @@ def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             )
         jobs[victim] = {"procs": procs, "timeout": timeout}
 
-    def watch(job: dict[str, Any]) -> None:  # the survivor's exit time, to the tenth of a second
+    def watch(job: dict[str, Any]) -> None:
         try:
-            job["output"], _ = job["procs"][1].communicate(timeout=180)
+            job["output"], _ = job["procs"][1].communicate(timeout=300)
         except subprocess.TimeoutExpired:
             job["procs"][1].kill()
             job["output"], _ = job["procs"][1].communicate()
-        job["ended"] = time.time()
 
     threads = [threading.Thread(target=watch, args=(job,)) for job in jobs.values()]
     for t in threads:
@@ -397,27 +397,21 @@ def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         victim_proc, survivor = job["procs"]
         victim_proc.kill()
         victim_proc.wait()
-        output = job["output"]
-        ready = [float(line.split()[1]) for line in output.splitlines() if line.startswith("READY ")]
-        results[victim] = {
-            "returncode": survivor.returncode,
-            "output": output,
-            "seconds_after_ready": job["ended"] - ready[0] if ready else None,
-            "timeout": job["timeout"],
-        }
+        results[victim] = {"returncode": survivor.returncode, "output": job["output"], "timeout": job["timeout"]}
     return results
 
 
 @pytest.mark.parametrize("victim", ["kill", "hang"])
-def test_survivor_stops_within_the_timeout_naming_the_missing_rank(victim: str, fault_runs: dict[str, Any]) -> None:
+def test_survivor_stops_naming_the_missing_rank(victim: str, fault_runs: dict[str, Any]) -> None:
     result = fault_runs[victim]
     out = result["output"]
-    assert result["returncode"] not in (0, None), out[-3000:]
-    assert "SCAPE collective" in out and "rank 0 of 2" in out, out[-3000:]  # the collective that failed
+    # It stopped by itself with an error, in the step after the three good ones (not killed by the fixture).
+    assert result["returncode"] is not None and result["returncode"] > 0, out[-3000:]
+    assert "READY" in out and "SCAPE collective" in out and "rank 0 of 2" in out, out[-3000:]  # what failed
     if victim == "kill":
+        # A dead peer is seen through its closed connection, not by waiting out the 30 s collective timeout.
         assert "rank 1 stopped answering" in out, out[-3000:]
+        assert not re.search(r"Operation timed out|Timed out waiting", out), out[-3000:]
     else:
+        # A silent peer: the collective timeout ends the wait, and the heartbeat says the peer is alive elsewhere.
         assert "rank 1 at #" in out and "never issued this collective" in out, out[-3000:]
-    # A dead peer is noticed at once; a silent one after the timeout. Process exit takes a few seconds.
-    limit = 10.0 if victim == "kill" else result["timeout"] + 6.0
-    assert result["seconds_after_ready"] is not None and result["seconds_after_ready"] < limit, result

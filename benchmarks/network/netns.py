@@ -340,7 +340,8 @@ class EmulatedNetwork:
             _run(["tc", "qdisc", "add", "dev", outer, "root", *self._tbf_args()])
 
     def qdisc_stats(self) -> list[dict[str, int]]:
-        """Per host: bytes, packets and drops of its send-side and receive-side shapers so far."""
+        """Per host: bytes and drops of its send-side and receive-side shapers so far, and the rate each is set to
+        (bytes per second, as ``tc`` reports it)."""
         out: list[dict[str, int]] = []
         for h in self.hosts:
             if h.local_rank:
@@ -357,6 +358,7 @@ class EmulatedNetwork:
                     if q.get("kind") == "tbf":
                         row[f"{side}_bytes"] = int(q.get("bytes", 0))
                         row[f"{side}_drops"] = int(q.get("drops", 0))
+                        row[f"{side}_rate"] = int(q.get("options", {}).get("rate", 0))
             out.append(row)
         return out
 
