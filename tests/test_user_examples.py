@@ -32,16 +32,17 @@ from lightning_scape.pytorch import ScapeStrategy as TrainerScapeStrategy
 pytestmark = pytest.mark.dist
 
 STEPS = 60  # optimizer steps of each run: all inside SCAPE's default dense warm-up and the ramp's dense steps
-VOCAB = 4096  # the transformer's vocabulary (the example's 33,278 makes its output layer 8x dearer)
+VOCAB = 2048  # the transformer's vocabulary (the example's 33,278 makes its output layer 16x dearer)
 
 
 # ------------------------------------------------------------------------------ Fabric: the image classifier
 
 
 def classify(fabric: Fabric) -> dict[str, float]:
-    """The example's loop, cut at :data:`STEPS` steps (AdamW, lr 1e-3, batch 64 per process), and its test loop."""
+    """The example's loop, cut at :data:`STEPS` steps (AdamW, lr 1e-3, batch 32 per process: the example's 64 over
+    the two), and its test loop."""
     fabric.seed_everything(1)
-    train = DataLoader(TensorDataset(*segment_digits(STEPS * 128, seed=0)), batch_size=64, shuffle=True)
+    train = DataLoader(TensorDataset(*segment_digits(STEPS * 64, seed=0)), batch_size=32, shuffle=True)
     test = DataLoader(TensorDataset(*segment_digits(1000, seed=1)), batch_size=500)
     train, test = fabric.setup_dataloaders(train, test)
     model = FabricExampleNet()
@@ -95,7 +96,7 @@ def fabric_examples(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_fabric_image_classifier_with_default_adamw_learns_under_scape_as_under_ddp(fabric_examples: str) -> None:
     ddp = load_outputs(fabric_examples, "classifier_ddp")[0]
     scape = load_outputs(fabric_examples, "classifier_scape")[0]
-    assert ddp["accuracy"] > 0.6, ddp  # the example learns under DDP (chance is 0.1)
+    assert ddp["accuracy"] > 0.45, ddp  # the example learns under DDP (chance is 0.1)
     assert scape["accuracy"] > ddp["accuracy"] - 0.05, (scape, ddp)
     assert scape["loss"] < ddp["loss"] * 1.1, (scape, ddp)
 
@@ -143,8 +144,8 @@ def model_language(outdir: str, name: str, strategy: Any) -> None:
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, limit_val_batches=4, val_check_interval=STEPS)  # fmt: skip
     model = TransformerExample()
-    trainer.fit(model, DataLoader(Windows(train_words), batch_size=16, shuffle=True),
-                DataLoader(Windows(val_words), batch_size=16))  # fmt: skip
+    trainer.fit(model, DataLoader(Windows(train_words), batch_size=8, shuffle=True),
+                DataLoader(Windows(val_words), batch_size=8))  # fmt: skip
     save_output(outdir, name, trainer.global_rank, {"val_loss": float(trainer.callback_metrics["val_loss"])})
 
 
@@ -169,6 +170,6 @@ def trainer_examples(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_trainer_transformer_with_default_adamw_learns_under_scape_as_under_ddp(trainer_examples: str) -> None:
     ddp = load_outputs(trainer_examples, "transformer_ddp")[0]["val_loss"]
     scape = load_outputs(trainer_examples, "transformer_scape")[0]["val_loss"]
-    # At the start the loss is ln(4096) = 8.3; the example copies its decoder's input and DDP + AdamW gets there.
+    # At the start the loss is ln(2048) = 7.6; the example copies its decoder's input and DDP + AdamW gets there.
     assert ddp < 4.0, ddp
     assert scape < ddp * 1.1, (scape, ddp)
