@@ -1,4 +1,5 @@
-"""The ``lightning-scape`` command line: ``demo``, ``pretrain`` and ``estimate`` (also ``python -m lightning_scape``).
+"""The ``lightning-scape`` command line: ``demo``, ``pretrain``, ``estimate`` and ``plot`` (also ``python -m
+lightning_scape``).
 
 This module lies outside the ``lightning_scape`` package on purpose. Importing the package imports torch
 and Lightning (``import lightning_scape`` registers ``strategy="scape"``), which takes seconds; from here
@@ -25,7 +26,18 @@ COMMANDS: dict[str, str] = {
     "demo": "DDP + AdamS against SCAPE (d=0.01) on 2 CPU processes on real text: bytes per step, losses, a plot",
     "pretrain": "pretrain a litgpt model with SCAPE from a YAML recipe (recipes/debug.yaml: 2 CPU processes)",
     "estimate": "does SCAPE pay on your network? bytes, step time and memory per rank against DDP, predicted",
+    "plot": "the demo's plot for a run of yours: loss and bytes per step against DDP's, from its metrics CSV",
 }
+
+PLOT_DESCRIPTION = """\
+The demo's plot for a run of yours: the loss against the step, and the bytes SCAPE sent per step against
+what DDP's all-reduce would have sent (log axis), from the metrics CSV a Lightning CSVLogger wrote with
+SCAPE's comm/ keys: a Trainer fit with lightning_scape.CommunicationMonitor() in its callbacks, a Fabric loop
+that logs CommunicationMonitor.compute(), or lightning-scape pretrain (OUT_DIR/logs/csv/.../metrics.csv).
+
+  lightning-scape plot lightning_logs/version_0/metrics.csv
+  lightning-scape plot out/pretrain/debug/logs/csv/version_0/metrics.csv --out debug.png
+"""
 
 DEMO_DESCRIPTION = """\
 DDP + AdamS against SCAPE on real text, on 2 CPU processes of this machine (gloo): about 2-3 minutes on
@@ -98,6 +110,42 @@ def demo_command(argv: list[str]) -> list[dict[str, Any]]:
         return run_demo(DemoOptions(**vars(ns)))
     except DemoError as exc:
         parser.error(str(exc))
+
+
+def plot_parser() -> argparse.ArgumentParser:
+    """The ``lightning-scape plot`` options."""
+    ap = argparse.ArgumentParser(
+        prog=f"{PROG} plot", description=PLOT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("metrics", type=Path, help="a CSVLogger metrics.csv with the comm/ keys")
+    ap.add_argument("--out", type=Path, default=None, help="the PNG to write (default: scape.png beside the CSV)")
+    ap.add_argument("--loss", default=None, help="the training loss column (default: train_loss, or litgpt's loss)")
+    ap.add_argument("--val-loss", default=None, help="the validation loss column (default: val_loss)")
+    return ap
+
+
+def plot_command(argv: list[str]) -> Path:
+    """``lightning-scape plot``: draw the demo's plot for a logged run.
+
+    Args:
+        argv: The arguments after ``plot``.
+
+    Returns:
+        The PNG written.
+
+    Raises:
+        SystemExit: With status 0 for ``--help``, 2 and a one-line message for a file that cannot be plotted.
+    """
+    parser = plot_parser()
+    ns = parser.parse_args(argv)
+    from lightning_scape.examples.run_plot import PlotError, plot_metrics_csv
+
+    try:
+        png = plot_metrics_csv(ns.metrics, ns.out, ns.loss, ns.val_loss)
+    except PlotError as exc:
+        parser.error(str(exc))
+    print(f"plot: {png}")
+    return png
 
 
 ESTIMATE_DESCRIPTION = """\
@@ -313,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_pretrain(rest)
     if command == "estimate":
         estimate_command(rest)
+        return 0
+    if command == "plot":
+        plot_command(rest)
         return 0
     what = "option" if command.startswith("-") else "command"
     print(

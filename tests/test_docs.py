@@ -20,6 +20,7 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "lightning.md"
 EXAMPLE = re.compile(r"```python\n(# (\w+\.py)[^\n]*\n.*?)```(.*?)```text\n(.*?)```", re.S)
 BYTES_LINE = re.compile(r"^(last step|whole run): sent ([\d,]+) bytes, DDP would send ([\d,]+)$", re.M)
 EXAMPLES = ("train_trainer.py", "train_fabric.py")
+SUMMARY = re.compile(r"```text\n(lightning_scape: SCAPE run summary.*?)```", re.S)
 
 
 def _examples() -> dict[str, tuple[str, str]]:
@@ -77,4 +78,12 @@ def test_the_example_runs_and_prints_the_bytes_the_page_shows(
         assert notices.count("this run has 500 optimizer steps") == 1 and "sends 35% of DDP's bytes" in notices
         assert "ScapeStrategy(dense_warmup_steps=15, density_ramp_steps=200)" in notices
     else:  # Fabric does not know the run's length; a run that left its dense steps hears nothing at the end
-        assert "dense_warmup_steps=" not in notices
+        assert "dense_warmup_steps=" not in notices.split("lightning_scape: SCAPE run summary")[0]
+    # At the end rank 0 sums the run up, once; the page shows the Trainer example's summary: its bytes and steps
+    # are the run's to the byte (the waiting is the machine's).
+    assert run.stderr.count("lightning_scape: SCAPE run summary") == 1
+    if name == "train_trainer.py":
+        (shown,) = SUMMARY.findall(DOC.read_text())
+        shown_lines = shown.splitlines()
+        logged = run.stderr[run.stderr.index(shown_lines[0]) :].splitlines()[: len(shown_lines)]
+        assert [logged[i] for i in (0, 1, 3)] == [shown_lines[i] for i in (0, 1, 3)], logged

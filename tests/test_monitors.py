@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from helpers import SCAPE, load_outputs
 
 from lightning_scape import AdamS, CommunicationMonitor, MaskMonitor, ScapeConfig, ScapeEngine
 from lightning_scape.comm import TRAFFIC_KINDS
+from lightning_scape.examples.run_plot import plot_metrics_csv, read_metrics_csv
 from lightning_scape.kernels import mask_positions
 from lightning_scape.pytorch.monitors import topk_coverage
 
@@ -75,7 +77,24 @@ def test_trainer_monitors_log_the_engine_counters(trainer_runs: str) -> None:
         previous = current
         if a["step_count"] % 2 == 0:
             assert 0.0 <= row["mask/topk_coverage"] <= 1.0
-    assert "comm/compression_ratio" in out[0]["progress_bar"]
+    # The progress bar shows the last step's ratio under a key a terminal does not cut ("comm/compression..." was).
+    last = rec0[-1]
+    assert out[0]["progress_bar"]["DDP/sent"] == pytest.approx(last["dense_equivalent"] / sum(last["sent"].values()))
+    assert not any(key.startswith("comm/") for key in out[0]["progress_bar"])
+
+
+@pytest.mark.dist
+def test_the_demo_plot_draws_the_logged_trainer_run(trainer_runs: str, tmp_path: Path) -> None:
+    """``lightning-scape plot`` on the CSVLogger's file of a real fit: SCAPE's bytes and DDP's, as logged."""
+    metrics = Path(trainer_runs) / "logs" / "csv" / "version_0" / "metrics.csv"
+    rows = csv_rows(str(Path(trainer_runs) / "logs"))
+    run, ddp = read_metrics_csv(metrics)
+    logged = sorted(step for step, row in rows.items() if "comm/sent_bytes" in row)
+    assert run.sent == (logged, [rows[s]["comm/sent_bytes"] for s in logged])
+    assert ddp.sent == (logged, [rows[s]["comm/dense_equivalent_bytes"] for s in logged])
+    assert run.val  # the fit logs val_loss (and no train loss: LitModel does not log one)
+    png = plot_metrics_csv(metrics, tmp_path / "fit.png")
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.dist

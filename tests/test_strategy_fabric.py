@@ -36,6 +36,7 @@ from helpers import (
     make_net,
     param_groups,
     rank_batches,
+    rank_zero_messages,
     reference,
     same,
     save_output,
@@ -46,6 +47,7 @@ from lightning.fabric.plugins.precision.amp import MixedPrecision
 
 from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig, ScapeStrategy
 from lightning_scape.examples.workloads import free_port
+from lightning_scape.wiring import run_summary
 
 pytestmark = pytest.mark.dist
 
@@ -142,18 +144,23 @@ def registered_name(outdir: str) -> None:
             "wrapped": type(model._forward_module).__name__,
             "sent": dict(fabric.strategy.engine.counters.total_sent),
             "strategy": type(fabric.strategy).__name__,
-            "warmup_warnings": end_of_run_warnings(fabric),
+            **end_of_run(fabric),
         },
     )
 
 
-def end_of_run_warnings(fabric: Fabric) -> list[str]:
-    """What the strategy says at the end of the run (at teardown, or the exit hook it registered), said twice."""
-    with warnings.catch_warnings(record=True) as caught:  # the children run with PYTHONWARNINGS=ignore
-        warnings.simplefilter("always")
+def end_of_run(fabric: Fabric) -> dict[str, list[str]]:
+    """What the strategy says at the end of the run (at teardown, or the exit hook it registered), said twice: its
+    warm-up warnings, its summaries, and what ``strategy.run_summary()`` returns."""
+    with warnings.catch_warnings(record=True) as caught, rank_zero_messages() as logged:
+        warnings.simplefilter("always")  # the children run with PYTHONWARNINGS=ignore
         fabric.strategy._note_end_of_run()
         fabric.strategy._note_end_of_run()
-    return [str(w.message) for w in caught if "dense_warmup_steps" in str(w.message)]
+    return {
+        "warmup_warnings": [str(w.message) for w in caught if "dense_warmup_steps" in str(w.message)],
+        "summaries": [m for m in logged if m.startswith(run_summary.HEADING)],
+        "run_summary": [fabric.strategy.run_summary()],
+    }
 
 
 def test_registered_name_with_default_configuration(fabric_runs: str) -> None:
@@ -203,9 +210,21 @@ def separate_setup_accumulation_clipping_and_monitors(outdir: str) -> None:
             "logged": logged,
             "recorded": recorded,
             "engine": engine_snapshot(engine),
-            "warmup_warnings": end_of_run_warnings(fabric),
+            "totals": (engine.counters.total_sent_bytes, engine.counters.total_dense_equivalent),
+            **end_of_run(fabric),
         },
     )
+
+
+def test_rank_0_sums_the_run_up_once_at_its_end(fabric_runs: str) -> None:
+    main = runs(fabric_runs, "f_main")
+    (summary,), rank1 = [o["summaries"] for o in main]
+    assert [summary] == main[0]["run_summary"] and not rank1  # strategy.run_summary(), logged once by rank 0
+    sent, ddp = main[0]["totals"]
+    kb = run_summary.format_bytes
+    assert f"{kb(sent)} sent per process; DDP would have sent {kb(ddp)}: {kb(ddp - sent)} saved" in summary
+    assert "steps:         8: 2 dense warm-up (dense_warmup_steps=2), 6 sparse at density 0.1" in summary
+    assert " s blocked on SCAPE's collectives (" in summary
 
 
 def test_separate_setup_accumulation_and_clipping_match_the_engine(fabric_runs: str) -> None:

@@ -37,6 +37,7 @@ from helpers import (
     param_groups,
     rank_file,
     rank_file_names,
+    rank_zero_messages,
     reference,
     run_script,
     same,
@@ -51,6 +52,7 @@ from torch.utils.data import DataLoader
 from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig
 from lightning_scape.examples.workloads import free_port
 from lightning_scape.pytorch import ScapeStrategy
+from lightning_scape.wiring import run_summary
 
 pytestmark = pytest.mark.dist
 
@@ -168,8 +170,8 @@ def fit_and_record(
     trainer = pl.Trainer(strategy=strategy, callbacks=callbacks, **trainer_kwargs(**kw))
     train, val_loader = loaders(val)
     t0 = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:  # the children run with PYTHONWARNINGS=ignore
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught, rank_zero_messages() as logged:
+        warnings.simplefilter("always")  # the children run with PYTHONWARNINGS=ignore
         trainer.fit(model, train, val_loader, ckpt_path=ckpt_path)
     lm = trainer.lightning_module
     out = {
@@ -187,6 +189,8 @@ def fit_and_record(
         "optimizer_type": type(trainer.strategy.optimizers[0]).__name__,
         "engine": engine_snapshot(trainer.strategy.scape_optimizers[0].engine),
         "warmup_warnings": [str(w.message) for w in caught if "dense_warmup_steps" in str(w.message)],
+        "summaries": [m for m in logged if m.startswith(run_summary.HEADING)],
+        "run_summary": trainer.strategy.run_summary(),
     }
     save_output(outdir, name, trainer.global_rank, out)
     return trainer
@@ -277,6 +281,24 @@ def accumulation_clipping_schedule_validation_and_monitors(outdir: str) -> None:
             callbacks=[CommunicationMonitor(), MaskMonitor(topk_every_n_steps=2)],
         )
     save_output(outdir, "all_reduce_main", dist.get_rank(), numels)
+
+
+def test_rank_0_sums_the_fit_up_once_at_its_end(trainer_runs: str) -> None:
+    (summary,), rank1 = [o["summaries"] for o in runs(trainer_runs, "main")]
+    main = runs(trainer_runs, "main")[0]
+    assert summary == main["run_summary"] and not rank1  # what strategy.run_summary() returns, logged by rank 0 only
+    last = main["steps"][-1]  # the engine's counters after the last step
+    sent, ddp = last["total_sent"], last["total_dense_equivalent"]
+    bytes_line = (
+        f"{run_summary.format_bytes(sent)} sent per process; DDP would have sent {run_summary.format_bytes(ddp)}"
+    )
+    assert bytes_line in summary
+    assert f"{run_summary.format_bytes(ddp - sent)} saved ({ddp / sent:.1f}x fewer" in summary
+    assert f"{last['total_wait_s']:.2f} s blocked on SCAPE's collectives" in summary
+    # The phases of SCAPE (2 dense warm-up steps, then density 0.1, no ramp) over the fit's 4 optimizer steps.
+    assert "steps:         4: 2 dense warm-up (dense_warmup_steps=2), 2 sparse at density 0.1" in summary
+    (dense,) = runs(trainer_runs, "default")[0]["summaries"]  # a fit that never left its dense warm-up
+    assert "steps:         2: 2 dense warm-up (dense_warmup_steps=30)\n" in dense + "\n"
 
 
 def test_accumulation_clipping_schedule_and_validation_match_the_engine(trainer_runs: str) -> None:

@@ -38,6 +38,7 @@ import torch
 
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.examples.run_plot import RunCurves, plot_runs
 from lightning_scape.examples.workloads import (
     adams_optimizer,
     build_model,
@@ -49,6 +50,7 @@ from lightning_scape.examples.workloads import (
 )
 from lightning_scape.fabric.strategy import ScapeStrategy
 from lightning_scape.litgpt.data import TextFolder, TokenizerKind
+from lightning_scape.wiring.run_summary import format_bytes, times_fewer
 from lightning_scape.wiring.warmup_notice import DenseWarmupWarning
 
 WORLD_SIZE = 2
@@ -276,6 +278,7 @@ def run_method(args: DemoArgs, method: str, tokens_file: str, vocab_size: int) -
         The result dict of rank 0 (see the keys at the end of ``_result``).
     """
     strategy = ScapeStrategy(start_method="spawn", process_group_backend="gloo", config=method_config(args, method))
+    strategy.log_run_summary = False  # the demo's table sums both runs up
     with _restored_environ():
         # A fresh port per run: the previous run's store may still hold its port in TIME_WAIT.
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
@@ -315,58 +318,25 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def write_plot(results: Sequence[dict[str, Any]], path: Path) -> bool:
-    """Loss against step, and bytes sent per step against step (log axis); False without matplotlib.
-
-    Bytes per step on a log axis keep SCAPE's sparse phase readable beside the dense steps (about 1 / density
-    times more); the cumulative bytes on any axis squeeze it into a sliver after the warm-up.
-    """
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
-    # Figure + savefig render with Agg without touching pyplot's global backend.
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
-    by_step, sent = fig.subplots(1, 2)
-    for color, r in zip(("tab:blue", "tab:orange"), results, strict=False):
+    """Loss against step, and bytes sent per step against step (log axis); False without matplotlib
+    (:func:`~lightning_scape.examples.run_plot.plot_runs`, which ``lightning-scape plot`` draws for a run of yours)."""
+    runs = []
+    for r in results:
         steps = list(range(1, r["steps"] + 1))
-        val_steps = sorted(r["val_losses"])
-        by_step.plot(steps, _smooth(r["train_losses"], 20), color=color, lw=1.2,
-                     label=f"{r['label']} train (mean of 20 steps)")  # fmt: skip
-        by_step.plot(val_steps, [r["val_losses"][s] for s in val_steps], "o--", color=color, lw=0.8, ms=5,
-                     label=f"{r['label']} validation")  # fmt: skip
-        per_step = [max(1, b) for b in r["bytes_sent"]]  # log axis: a step that sent nothing shows as 1 byte
-        sent.plot(
-            steps,
-            per_step,
-            color=color,
-            lw=1.2,
-            label=f"{r['label']}: {_kb(r['bytes_per_step'])}/step"
-            + (" after the warm-up and ramp" if r["method"] == "scape" and r["warmup"] < r["steps"] else ""),
+        after = " after the warm-up and ramp" if r["method"] == "scape" and r["warmup"] < r["steps"] else ""
+        runs.append(
+            RunCurves(
+                label=r["label"],
+                train=(steps, _smooth(r["train_losses"], 20)),
+                train_label="train (mean of 20 steps)",
+                val=r["val_losses"],
+                sent=(steps, [float(b) for b in r["bytes_sent"]]),
+                sent_label=f"{r['label']}: {format_bytes(r['bytes_per_step'])}/step{after}",
+            )
         )
     warm = next((r for r in results if r["method"] == "scape" and 0 < r["warmup"] < r["steps"]), None)
-    if warm is not None:  # where SCAPE stops sending everything
-        for ax in (by_step, sent):
-            ax.axvline(warm["warmup"], color="gray", ls=":", lw=1,
-                       label=f"SCAPE at its density from step {warm['warmup'] + 1}")  # fmt: skip
-    by_step.set(xlabel="step", ylabel="loss (nats/token)", title="Loss against step")
-    sent.set(yscale="log", xlabel="step", ylabel="bytes sent by one process in the step",
-             title="Bytes sent per step (log scale)")  # fmt: skip
-    for ax in (by_step, sent):
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return True
-
-
-def _kb(nbytes: float) -> str:
-    """Bytes as kB or MB, three significant digits or more."""
-    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e6 else f"{nbytes / 1e3:.1f} kB"
-
-
-def _fmt_ratio(dense_equivalent: float, sent: float) -> str:
-    """How many times fewer bytes than DDP, e.g. ``"79.0x"`` (a run that sent nothing counts as 1 byte)."""
-    return f"{dense_equivalent / max(1.0, sent):.1f}x"
+    sparse_from = None if warm is None else warm["warmup"] + 1
+    return plot_runs(runs, path, sparse_from=sparse_from, loss_label="loss (nats/token)")
 
 
 def print_table(results: Sequence[dict[str, Any]], warmup: int) -> None:
@@ -389,7 +359,7 @@ def print_table(results: Sequence[dict[str, Any]], warmup: int) -> None:
             f"{r['label']:<14} {r['tokens_per_s']:>9.0f} "
             + " ".join(f"{b / 1e3:>{w}.1f}" for b in per_step)
             + " "
-            + " ".join(f"{_fmt_ratio(dense_eq, b):>{w}}" for b in per_step)
+            + " ".join(f"{times_fewer(dense_eq, b):>{w}}" for b in per_step)
             + f" {r['train_loss']:>11.3f} {r['val_loss']:>9.3f}"
         )
     print()
@@ -415,8 +385,8 @@ def demo_notes(results: Sequence[dict[str, Any]], warmup: int) -> list[str]:
             f"SCAPE sends the whole gradient in its dense warm-up, then less and less over its density ramp ("
             f"{warmup} steps together), then "
             f"{scape['density'] * 100:.3g}% of the values, with their indices and the new parameter values at them: "
-            f"{_fmt_ratio(scape['dense_equivalent_per_step'], scape['bytes_per_step'])} fewer bytes than DDP per "
-            f"step after the warm-up, {_fmt_ratio(scape['dense_equivalent_per_step'], scape['bytes_per_step_all'])} "
+            f"{times_fewer(scape['dense_equivalent_per_step'], scape['bytes_per_step'])} fewer bytes than DDP per "
+            f"step after the warm-up, {times_fewer(scape['dense_equivalent_per_step'], scape['bytes_per_step_all'])} "
             "over this short run; the longer the run, the closer the whole run's ratio comes to the per-step one."
         )
     notes.extend(_index_exchange_notes(dense, scape))
@@ -468,10 +438,10 @@ def _index_exchange_notes(dense: dict[str, Any], scape: dict[str, Any]) -> list[
         extra = mine - ddp
         if extra > 64:  # more than the few bytes of a scalar all-reduce
             notes.append(
-                f"Step {i + 1}, SCAPE's last dense step, sends {_kb(extra)} more than DDP + AdamS: the first "
-                f"sparse step's mask, {_kb(indices)} of int16 indices, which SCAPE builds and all-gathers at the "
-                "end of the step before the one that uses it, so that the exchange overlaps the next forward pass "
-                "(mask_delay=1). Every later step sends far less than a dense one."
+                f"Step {i + 1}, SCAPE's last dense step, sends {format_bytes(extra)} more than DDP + AdamS: the "
+                f"first sparse step's mask, {format_bytes(indices)} of int16 indices, which SCAPE builds and "
+                "all-gathers at the end of the step before the one that uses it, so that the exchange overlaps the "
+                "next forward pass (mask_delay=1). Every later step sends far less than a dense one."
             )
     return notes
 

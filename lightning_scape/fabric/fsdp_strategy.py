@@ -28,16 +28,16 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.fabric.set_up_objects import SetUpObjects
-from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry
+from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
-from lightning_scape.wiring.warmup_notice import Syntax, WarmupNotice
+from lightning_scape.wiring.warmup_notice import Syntax, WarmupNotice, call_at_exit
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
+class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Fabric(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     The W processes form R = W / ``shard_size`` groups of ``shard_size`` consecutive ranks (one node each by
@@ -59,6 +59,9 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     checkpoint folder that resumes bitwise (onto the same number of processes and ``shard_size``), and
     ``fabric.load_raw(path, model)`` of a plain, whole-model state dict file (each rank loads its shard).
 
+    As ``ScapeStrategy``, rank 0 logs what SCAPE will do at set-up (on each rank's shard, across the groups), and
+    what it did at the end of the run (:meth:`run_summary`; at ``strategy.teardown()``, or when the process exits).
+
     Args:
         shard_size: S, the processes that shard one model copy between them; default: the processes of one node.
             Pick the largest group joined by fast links (NVLink): FSDP's traffic stays inside it. 1 shards
@@ -73,6 +76,7 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     """
 
     _setup_call = "fabric.setup_optimizers(optimizer)"
+    _summary_baseline = "HSDP"  # its engines send each rank's shard across the groups
 
     __doc__ = (__doc__ or "") + options_doc()
 
@@ -96,6 +100,7 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         self._grid: fsdp.ShardGrid | None = None
         self._start_set_up_objects()
         self._bindings: list[fsdp.ShardBinding] = []
+        self._exit_hook_registered = False
 
     @property
     def grid(self) -> fsdp.ShardGrid:
@@ -136,8 +141,9 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     def setup_module(self, module: Module) -> Module:
         """Shard the model in each group, materialise it if it was built on the meta device, and give every group
         the first group's weights."""
-        module = super().setup_module(module)
-        _materialize_distributed_module(module, self.root_device)
+        with fsdp.cpu_init_warned_once(self.global_rank):  # Lightning materialises a meta-device model here
+            module = super().setup_module(module)
+            _materialize_distributed_module(module, self.root_device)
         grid = self.grid
         fsdp.sync_replicas(module, self.device_mesh["replicate"].get_group(), replicate_src=grid.shard_index)
         self._scape_modules.append(module)
@@ -169,9 +175,12 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
                     "after model = fabric.setup_module(model), from model.parameters()."
                 )
             comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
-            scape, binding = fsdp.build_fsdp_scape_optimizer(optimizer, self.scape_config, module, comm)
+            scape, binding = fsdp.build_fsdp_scape_optimizer(optimizer, self.scape_config, module, comm, self.grid)
         self._scape_optimizers.append(scape)
         self._bindings.append(binding)
+        if not self._exit_hook_registered:  # Fabric does not tear its strategy down: the summary comes at exit
+            call_at_exit(self._note_end_of_run)
+            self._exit_hook_registered = True
         return scape
 
     def warn_if_all_dense(self, planned_steps: float | None, syntax: Syntax = "python") -> None:
@@ -179,7 +188,8 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
 
         As :meth:`lightning_scape.ScapeStrategy.warn_if_all_dense`: for training loops that know their length.
         """
-        WarmupNotice().before_run(self.scape_config, planned_steps, syntax=syntax)
+        replicas = self._grid.replicas if self._grid is not None else None  # SCAPE's ranks: the groups
+        WarmupNotice().before_run(self.scape_config, planned_steps, world_size=replicas, syntax=syntax)
 
     # ----------------------------------------------------------------------------------------- a step
 
@@ -281,13 +291,19 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Remove the engines' and the bindings' hooks."""
+        """Log the run's summary, remove the engines' and the bindings' hooks."""
+        self._note_end_of_run()
         for opt in self._scape_optimizers:
             opt.engine.close()
         for binding in self._bindings:
             binding.detach()
         stop_heartbeat()  # the replicate group's fault naming: a thread left running outlives the fit
         super().teardown()
+
+    def _note_end_of_run(self) -> None:
+        """Log the run's summary (once, rank 0), unless a collective failed; called at teardown and at exit."""
+        if not any(opt.engine.wire.failed for opt in self._scape_optimizers):
+            self._log_run_summary()
 
     @classmethod
     @override

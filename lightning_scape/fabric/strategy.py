@@ -35,6 +35,7 @@ from lightning_scape.wiring import (
     loss_scaling,
     rank_failures,
     registry,
+    run_summary,
     setup_checks,
     warmup_notice,
 )
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeStrategy(SetUpObjects, DDPStrategy):
+class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
     """SCAPE sparse data parallelism for Fabric: ``Fabric(strategy=ScapeStrategy(density=0.01))``.
 
     Processes, devices and multi-node clusters (torchrun, SLURM, ``MASTER_ADDR``/``NODE_RANK``, ...) work as
@@ -70,6 +71,9 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
     rank's gradient, already sent during backward, so a change has no effect (a warning says so); use
     ``fabric.clip_gradients``, which clips the synchronised values and returns their global norm
     (:meth:`global_grad_norm` without clipping).
+
+    Rank 0 logs what SCAPE will do at set-up, and what it did at the end of the run (:meth:`run_summary`; at
+    ``strategy.teardown()``, or when the process exits).
 
     Args:
         accelerator: The accelerator (Fabric picks it from ``Fabric(accelerator=...)`` when None).
@@ -350,11 +354,14 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
         self._planned_steps = None
 
     def _note_end_of_run(self) -> None:
-        """Warn (once, rank 0) if the run ended inside its dense warm-up; called at teardown and at exit."""
+        """Warn (once, rank 0) if the run ended inside its dense warm-up, and log the run's summary (once); called
+        at teardown and at exit."""
         if self._failed or any(opt.engine.wire.failed for opt in self._scape_optimizers):
             return
-        for opt in self._scape_optimizers:
-            self._warmup_notice.after_run(opt.engine)
+        engines = [opt.engine for opt in self._scape_optimizers]
+        for engine in engines:
+            self._warmup_notice.after_run(engine, self.world_size)
+        self._log_run_summary()
 
     @classmethod
     @override

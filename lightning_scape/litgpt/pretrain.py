@@ -35,6 +35,7 @@ from litgpt.args import EvalArgs, LogArgs, TrainArgs
 
 from lightning_scape.config import ScapeConfig
 from lightning_scape.litgpt.litgpt_adaptations import litgpt_adapted
+from lightning_scape.wiring.run_summary import summary_line, summary_lines
 
 if TYPE_CHECKING:
     import lightning as L
@@ -177,7 +178,7 @@ def pretrain(
         comm_log_interval=comm_log_interval,
         hyperparameters=_hyperparameters,
     )
-    compile = fabric.device.type == "cuda" if compile is None else compile
+    compile = comm_logger.compiled = fabric.device.type == "cuda" if compile is None else compile
     fabric.print(f"compile: {'on' if compile else 'off'} (torch.compile{'' if compile else ' is a no-op'})")
     with litgpt_adapted(
         litgpt_pretrain,
@@ -240,7 +241,6 @@ def _resolve_recipe(
         RecipeError: No or an unknown model, one of :data:`REFUSED_OPTIONS` set, ``tokenizer_dir`` with a
             TextFolder, token ids the model's embedding cannot hold, or a precision SCAPE does not train in.
     """
-    from litgpt.tokenizer import Tokenizer
     from litgpt.utils import extend_checkpoint_dir, init_out_dir, parse_devices
 
     model_config = _model_config(model_name, model_config)
@@ -256,7 +256,12 @@ def _resolve_recipe(
     check_precision(precision)
     n_devices = parse_devices(devices) if accelerator != "cpu" or devices != "auto" else 1
     out_dir = init_out_dir(out_dir)
-    tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    tokenizer = _tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    if initial_checkpoint_dir is not None and not initial_checkpoint_dir.is_dir():
+        raise RecipeError(
+            f"initial_checkpoint_dir={initial_checkpoint_dir}: no such folder. Point it at a litgpt checkpoint folder "
+            "(litgpt download ORG/NAME writes one under checkpoints/), or leave it empty to start from scratch."
+        )
     return _Recipe(
         model_config=model_config,
         data=data,
@@ -267,6 +272,33 @@ def _resolve_recipe(
         out_dir=out_dir,
         tokenizer=tokenizer,
     )
+
+
+def _tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    """litgpt's tokenizer from ``tokenizer_dir``, or a :class:`RecipeError` saying what to do when it has none.
+
+    litgpt's own recipes (``tinystories.yaml``: ``checkpoints/meta-llama/Llama-2-7b-hf``) name a folder that
+    ``litgpt download`` fills; without it litgpt stops with a traceback after the data module is built.
+    """
+    from litgpt.tokenizer import Tokenizer
+
+    hint = (
+        f"Fetch it with `litgpt download {tokenizer_dir.relative_to('checkpoints')} --tokenizer_only true`, "
+        if tokenizer_dir.parts[:1] == ("checkpoints",) and len(tokenizer_dir.parts) == 3
+        else "Point tokenizer_dir at the folder of the tokenizer the data was prepared with, "
+    )
+    if not tokenizer_dir.is_dir():
+        raise RecipeError(
+            f"tokenizer_dir={tokenizer_dir}: no such folder (the data module reads its tokenizer there). {hint}"
+            "or train on text of your own with --data PATH --tokenizer_dir null (TextFolder trains its own tokenizer)."
+        )
+    try:
+        return Tokenizer(tokenizer_dir)
+    except NotImplementedError:  # litgpt's words for "neither tokenizer.json nor tokenizer.model"
+        raise RecipeError(
+            f"tokenizer_dir={tokenizer_dir} holds no tokenizer.json or tokenizer.model. {hint}or point it at a "
+            "folder that does."
+        ) from None
 
 
 def _model_config(model_name: str | None, model_config: Config | None) -> Config:
@@ -362,6 +394,7 @@ def _launch_fabric(
     )
     comm_logger = _CommunicationLogger(comm_log_interval or train.log_interval, train, recipe)
     strategy = _strategy(recipe, num_nodes, scape, fsdp, process_group_backend)
+    strategy.log_run_summary = False  # its lines are in the command's own summary (report_total)
     fabric = L.Fabric(
         accelerator=accelerator,
         devices=recipe.n_devices,
@@ -565,7 +598,7 @@ class _CommunicationLogger:
         self.seq_len = train.max_seq_length or recipe.model_config.block_size
         self.clock = _Clock()
         self.log_dir: Path | None = None
-        self.last_sparse: tuple[int, int] | None = None  # (bytes sent, dense equivalent) of the last sparse step
+        self.compiled = False  # whether the first step compiled the model (pretrain's compile)
 
     def tokens_per_step(self, world_size: int) -> int:
         """Tokens of one optimizer step, all processes together (what litgpt's loop consumes)."""
@@ -586,8 +619,6 @@ class _CommunicationLogger:
             return
         self.clock.step_done(engine.step_count)
         c = engine.counters
-        if c.step_sent["dense"] == 0 and c.step_dense_equivalent > 0:
-            self.last_sparse = (c.step_sent_bytes, c.step_dense_equivalent)
         # The engine's step count survives a resume, so the logged steps continue where the checkpoint was.
         if engine.step_count % self.interval != 0 or self.fabric is None:
             return
@@ -607,36 +638,32 @@ class _CommunicationLogger:
         )
 
     def report_total(self, out_dir: Path) -> None:
-        """Print the run's summary: throughput, bytes against dense, where the logs and checkpoints are."""
+        """Print the run's summary: throughput, and the strategy's (bytes against dense data parallelism, time
+        waiting on collectives, steps of each phase), then where the logs and checkpoints are."""
         if self.fabric is None:
             return
         engine = getattr(self.fabric.strategy, "engine", None)
         if engine is None:
             return
-        fabric, c, clock = self.fabric, engine.counters, self.clock
+        fabric, clock = self.fabric, self.clock
         world = fabric.world_size
         lines = ["SCAPE run summary"]
         first, last = clock.first_step, clock.last_step
         if first is not None and last is not None and last > first and clock.seconds > 0:
             total = clock.steps * self.tokens_per_step(world) / clock.seconds
+            first_step = "the first step, which " + ("compiles" if self.compiled else "does one-time set-up")
             lines.append(
-                f"  throughput:    {total:,.0f} tokens/s in total, {total / world:,.0f} per process ({world} "
-                f"processes), steps {first + 1}-{last} over {clock.seconds:.1f} s (the first step, which "
-                "compiles, and validation and checkpoint time left out)"
+                summary_line(
+                    "throughput",
+                    f"{total:,.0f} tokens/s in total, {total / world:,.0f} per process ({world} processes), steps "
+                    f"{first + 1}-{last} over {clock.seconds:.1f} s ({first_step}, and validation and checkpoint "
+                    "time left out)",
+                )
             )
-        if c.total_dense_equivalent == 0:
-            lines.append("  communication: none (one replica: SCAPE has nothing to send; its updates are AdamS's)")
-            self._report_paths(lines, out_dir)
-            return
-        ratio = c.total_dense_equivalent / max(1, c.total_sent_bytes)
-        comm = (
-            f"  communication: {c.total_sent_bytes / 1e6:.2f} MB sent per process; dense data parallelism would "
-            f"have sent {c.total_dense_equivalent / 1e6:.2f} MB ({ratio:.1f}x fewer"
-        )
-        if self.last_sparse is not None:
-            sent, dense = self.last_sparse
-            comm += f"; {sent / 1e3:.1f} kB in the last step, {dense / max(1, sent):.1f}x fewer"
-        lines.append(comm + ")")
+        from lightning_scape.fabric.fsdp_strategy import ScapeFSDPStrategy
+
+        baseline = "HSDP" if isinstance(fabric.strategy, ScapeFSDPStrategy) else "DDP"
+        lines += summary_lines(engine, baseline)
         self._report_paths(lines, out_dir)
 
     def _report_paths(self, lines: list[str], out_dir: Path) -> None:
@@ -645,10 +672,10 @@ class _CommunicationLogger:
         if self.log_dir is not None:
             csv_file = self.log_dir / "metrics.csv"
             where = csv_file if csv_file.exists() else self.log_dir
-            lines.append(f"  logs:          {where} (comm/ keys every {self.interval} steps)")
+            lines.append(summary_line("logs", f"{where} (comm/ keys every {self.interval} steps)"))
         final = out_dir / "final" / "lit_model.pth"
         if final.exists():
-            lines.append(f"  checkpoint:    {final} (SCAPE's per-process state in {final.name}.scape/)")
+            lines.append(summary_line("checkpoint", f"{final} (SCAPE's per-process state in {final.name}.scape/)"))
         self.fabric.print("\n".join(lines))
 
 

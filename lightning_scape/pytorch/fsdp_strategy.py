@@ -30,12 +30,12 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry
+from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
 
 
-class ScapeFSDPStrategy(ModelParallelStrategy):
+class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Trainer(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     Also ``Trainer(strategy="scape_fsdp")``. The W processes form R = W / ``shard_size`` groups of ``shard_size``
@@ -51,6 +51,9 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
     ``"bf16-mixed"`` and ``"bf16-true"``, and sharded checkpoints (a folder: one file per rank and ``meta.pt``)
     that ``trainer.fit(..., ckpt_path=...)`` resumes bitwise on the same number of processes and ``shard_size``.
 
+    As ``ScapeStrategy``, rank 0 logs what SCAPE will do at set-up (on each rank's shard, across the groups), and
+    what it did at the end of a fit (:meth:`run_summary`).
+
     Args:
         shard_size: S, the processes that shard one model copy between them; default: the processes of one node.
             Pick the largest group joined by fast links (NVLink): FSDP's traffic stays inside it.
@@ -63,6 +66,7 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
     """
 
     __doc__ = (__doc__ or "") + options_doc()
+    _summary_baseline = "HSDP"  # its engines send each rank's shard across the groups
 
     def __init__(
         self,
@@ -81,6 +85,7 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
         self._wrap_policy = auto_wrap_policy
         self._grid: fsdp.ShardGrid | None = None
         self._bindings: list[fsdp.ShardBinding] = []
+        self._failed = False
 
     @property
     def grid(self) -> fsdp.ShardGrid:
@@ -127,16 +132,19 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
 
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self._failed = False
         if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
             with rank_failures.agreed("Sharding the model for ScapeFSDPStrategy"):
                 fsdp.shard_module(self.model, self.device_mesh["shard"], self._wrap_policy, root_runs_forward=False)
-            _materialize_distributed_module(self.model, self.root_device)
+            with fsdp.cpu_init_warned_once(self.global_rank):  # a model configure_model built on the meta device
+                _materialize_distributed_module(self.model, self.root_device)
             replicate = self.device_mesh["replicate"].get_group()
             fsdp.sync_replicas(self.model, replicate, replicate_src=self.grid.shard_index)
         self.model = self.precision_plugin.convert_module(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._summary_given = False  # each fit is summed up at its end
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             self._redirect_clipping()
@@ -153,7 +161,9 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
                 )
             assert self.model is not None
             comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
-            scape, binding = fsdp.build_fsdp_scape_optimizer(self.optimizers[0], self.scape_config, self.model, comm)
+            scape, binding = fsdp.build_fsdp_scape_optimizer(
+                self.optimizers[0], self.scape_config, self.model, comm, self.grid
+            )
         self._bindings.append(binding)
         self.optimizers = [scape]
 
@@ -240,8 +250,16 @@ class ScapeFSDPStrategy(ModelParallelStrategy):
     # -------------------------------------------------------------------------------------- lifecycle
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Remember a failure: a failed fit is not summed up."""
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
-        """Remove the engines' and the bindings' hooks and the clipping redirect."""
+        """Log the fit's summary, remove the engines' and the bindings' hooks and the clipping redirect."""
+        if not self._failed:
+            self._log_run_summary()
         for opt in self.scape_optimizers:
             opt.engine.close()
         for binding in self._bindings:

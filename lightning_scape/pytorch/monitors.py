@@ -156,7 +156,8 @@ class CommunicationMonitor(_ScapeMonitor):
     * ``comm/sent_bytes`` and, per kind (``values``, ``params``, ``indices``, ``dense``, ``scalars``,
       ``setup``), ``comm/sent_bytes/<kind>``;
     * ``comm/dense_equivalent_bytes``: what DDP's dense all-reduce of the same gradients would send;
-    * ``comm/compression_ratio``: dense-equivalent over sent bytes of the window (also on the progress bar);
+    * ``comm/compression_ratio``: dense-equivalent over sent bytes of the window; the progress bar shows the last
+      step's as ``DDP/sent`` (:attr:`progress_bar_key`: a key short enough not to be cut);
     * ``comm/wait_s`` (mean over steps and ranks) and ``comm/wait_s_max``: time blocked on collectives, i.e.
       communication not hidden under compute;
     * ``comm/total_sent_bytes``, ``comm/total_dense_equivalent_bytes``, ``comm/total_wait_s``: since the start
@@ -166,8 +167,12 @@ class CommunicationMonitor(_ScapeMonitor):
         log_every_n_steps: Trainer only: log every this many optimizer steps; default: the Trainer's
             ``log_every_n_steps``. With Fabric, call :meth:`compute` at your own logging interval.
         per_kind: Also log the per-kind keys. Turn off to keep dashboards small once the split is known.
-        progress_bar: Show the compression ratio on the Trainer's progress bar.
+        progress_bar: Show the last step's compression ratio on the Trainer's progress bar, as ``DDP/sent``.
     """
+
+    # The progress bar's key: DDP's bytes over the bytes sent. Short, so that a terminal's width does not cut it
+    # (the loggers get comm/compression_ratio, averaged over the logging window).
+    progress_bar_key = "DDP/sent"
 
     def __init__(self, log_every_n_steps: int | None = None, per_kind: bool = True, progress_bar: bool = True) -> None:
         super().__init__(log_every_n_steps)
@@ -211,7 +216,7 @@ class CommunicationMonitor(_ScapeMonitor):
         if self.progress_bar:
             c = engine.counters
             ratio = _ratio(c.step_dense_equivalent, c.step_sent_bytes)
-            pl_module.log("comm/compression_ratio", ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            pl_module.log(self.progress_bar_key, ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
 
 def _ratio(dense: float, sent: float) -> float:

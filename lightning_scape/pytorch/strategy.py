@@ -38,6 +38,7 @@ from lightning_scape.wiring import (
     loss_scaling,
     rank_failures,
     registry,
+    run_summary,
     setup_checks,
     warmup_notice,
 )
@@ -45,7 +46,7 @@ from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, u
 from lightning_scape.wiring.options import process_group_timeout, resolve_config
 
 
-class ScapeStrategy(DDPStrategy):
+class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
     """SCAPE sparse data parallelism for the Trainer: ``Trainer(strategy=ScapeStrategy(density=0.01))``.
 
     Also ``Trainer(strategy="scape")`` with the default configuration. Processes, devices and multi-node
@@ -68,6 +69,8 @@ class ScapeStrategy(DDPStrategy):
     identically; the checkpoint is restored before set-up, as with DDP. A checkpoint written by another number of
     processes is re-sharded when it is loaded (``docs/lightning.md``). The checkpoint file itself is an ordinary
     Lightning checkpoint (the model is replicated), loadable with ``LightningModule.load_from_checkpoint``.
+
+    Rank 0 logs what SCAPE will do at set-up, and what it did at the end of a fit (:meth:`run_summary`).
 
     Not supported: clipping ``param.grad`` yourself, e.g. in ``on_before_optimizer_step``: it holds this rank's
     gradient, already sent during backward, so a change has no effect (a warning says so); use
@@ -160,6 +163,7 @@ class ScapeStrategy(DDPStrategy):
         if fitting:
             _redirect_clipping(self.precision_plugin)
             self._warmup_notice = warmup_notice.WarmupNotice()  # a new fit may warn again (on_train_start)
+            self._summary_given = False  # and is summed up at its end
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -376,11 +380,13 @@ class ScapeStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Remove the engine's hooks and the clipping redirect, stop the heartbeat, then DDP's teardown."""
+        """Sum the fit up (rank 0); remove the engine's hooks and the clipping redirect; stop the heartbeat."""
         self._pending_states = None
-        for opt in self.scape_optimizers:
-            if not self._failed:  # a fit whose length was not known at the start (early stopping, ...)
-                self._warmup_notice.after_run(opt.engine)
+        engines = [opt.engine for opt in self.scape_optimizers]
+        if not self._failed:
+            for engine in engines:  # a fit whose length was not known at the start (early stopping, ...)
+                self._warmup_notice.after_run(engine, self.world_size)
+            self._log_run_summary()
         engine_setup.close_engines(self.scape_optimizers, wait=not self._failed)  # stops the heartbeat too
         _restore_clipping(self.precision_plugin)
         super().teardown()

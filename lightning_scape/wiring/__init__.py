@@ -8,6 +8,7 @@ One module per concern, each used by both adapters (:mod:`lightning_scape.fabric
 * :mod:`~lightning_scape.wiring.loss_scaling`: fp16 loss scaling;
 * :mod:`~lightning_scape.wiring.warmup_notice`: :class:`DenseWarmupWarning`, a schedule that does not fit the run;
 * :mod:`~lightning_scape.wiring.run_traffic`: the bytes a whole run sends, SCAPE's and DDP's;
+* :mod:`~lightning_scape.wiring.run_summary`: what a run did, said at its end (bytes against DDP's, waiting, phases);
 * :mod:`~lightning_scape.wiring.setup_checks`: low-precision weights refused, a single process named;
 * :mod:`~lightning_scape.wiring.rank_failures`: a failure on any rank agreed on and reported once, by rank 0;
 * :mod:`~lightning_scape.wiring.checkpoint_protocol`: the checkpoint protocol (main file, per-rank SCAPE files);

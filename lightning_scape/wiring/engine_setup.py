@@ -85,12 +85,17 @@ def close_engines(optimizers: Iterable[ScapeOptimizer], wait: bool) -> None:
     stop_heartbeat()
 
 
-def describe_engine(engine: ScapeEngine) -> str:
+def describe_engine(engine: ScapeEngine, subject: str | None = None) -> str:
     """One line for the log: the parameters, the dense warm-up, and the density the sparse steps really send.
 
     The effective density is the mask slots over the (padded) coordinates. It is ``slots_per_chunk /
     chunk_size`` (41 / 4096 = 1.00% for d = 0.01), except in a model so small that some buckets use smaller
     chunks (``docs/algorithm.md``, layout), where one slot per chunk is more than d.
+
+    Args:
+        engine: The engine just built.
+        subject: What SCAPE runs on, after ``"lightning_scape: "``; default ``"SCAPE on N parameters"``
+            (``ScapeFSDPStrategy`` names the groups and this rank's shard).
     """
     cfg = engine.config
     if not engine.buckets:
@@ -110,7 +115,8 @@ def describe_engine(engine: ScapeEngine) -> str:
                 f"a density ramp over {cfg.density_ramp_steps} steps (density_ramp_steps; its first {dense_ramp} dense)"
             )
     phases.append(f"then {density:.2%} of the coordinates per step (effective density; density={cfg.density:g})")
-    line = f"lightning_scape: SCAPE on {engine.numel:,} parameters in {_count(n, 'bucket')}: " + ", ".join(phases)
+    subject = subject or f"SCAPE on {engine.numel:,} parameters"
+    line = f"lightning_scape: {subject} in {_count(n, 'bucket')}: " + ", ".join(phases)
     small = [bs.layout for bs in engine.buckets if bs.layout.chunk_size < cfg.chunk_size]
     if small:
         sizes = "; ".join(

@@ -12,7 +12,9 @@ What the Fabric and Trainer forms of ``ScapeFSDPStrategy`` share (``docs/fsdp.md
   all-gathers for the next forward), and their ``.grad`` views into the engine's gradient buffers (so FSDP's
   reduce-scatter output lands there); FSDP's post-accumulate-grad hooks tell the engine a gradient is ready;
 * :func:`build_fsdp_scape_optimizer`: the user's optimizer, its engine and the binding;
-* :func:`request_global_clip`: clipping by the norm over all shards.
+* :func:`request_global_clip`: clipping by the norm over all shards;
+* :func:`describe_shard_engine` and :func:`cpu_init_warned_once`: the start-up line, and torch's warning about
+  initialising on a CPU mesh shown once rather than by every process.
 
 FSDP2 has no public way to put its sharded parameters into storage the caller owns. :class:`ShardBinding` is
 the one place that touches its internals (``FSDPParam``: the padded shard ``_sharded_param_data`` that its
@@ -23,13 +25,17 @@ torch 2.11 and 2.13; :func:`fsdp_param_groups` fails with a clear error if they 
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from collections import ChainMap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -38,6 +44,7 @@ from lightning_scape.adams import AdamS
 from lightning_scape.comm import Communicator, FaultNamingCommunicator, SoloCommunicator
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.wiring.engine_setup import describe_engine
 from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
 
 WrapPolicy = set[type[Module]] | Callable[[Module], bool]
@@ -321,7 +328,11 @@ def replicate_communicator(mesh: Any, grid: ShardGrid, timeout_s: float) -> Comm
 
 
 def build_fsdp_scape_optimizer(
-    optimizer: Optimizer, config: ScapeConfig, module: Module, communicator: Communicator
+    optimizer: Optimizer,
+    config: ScapeConfig,
+    module: Module,
+    communicator: Communicator,
+    grid: ShardGrid | None = None,
 ) -> tuple[ScapeOptimizer, ShardBinding]:
     """The user's optimizer as a :class:`ScapeOptimizer` whose engine steps this rank's shard across the groups.
 
@@ -330,6 +341,8 @@ def build_fsdp_scape_optimizer(
         config: The SCAPE configuration.
         module: The sharded model.
         communicator: The replicate group's collectives (:func:`replicate_communicator`).
+        grid: The processes' groups; given (the strategies give it), rank 0 logs what SCAPE will do, as
+            ``ScapeStrategy`` does (:func:`describe_shard_engine`).
 
     Returns:
         The optimizer to hand back to Lightning, and the binding (its hooks are removed at teardown).
@@ -342,7 +355,38 @@ def build_fsdp_scape_optimizer(
     shadow.param_groups = binding.proxy_groups(adams)
     engine = ScapeEngine(shadow, config, communicator, param_order=binding.order, sync_params=False)
     binding.attach(engine)
+    if grid is not None:
+        rank_zero_info(describe_shard_engine(engine, grid, sum(p.numel() for p in module.parameters())))
     return ScapeOptimizer(adams, engine, source=optimizer), binding
+
+
+def describe_shard_engine(engine: ScapeEngine, grid: ShardGrid, model_numel: int) -> str:
+    """The start-up line of ``ScapeStrategy`` (:func:`~lightning_scape.wiring.engine_setup.describe_engine`) for one
+    rank's engine of ``ScapeFSDPStrategy``: the groups SCAPE runs across, and the rank's shard of the model."""
+    subject = (
+        f"SCAPE on each rank's shard of the {model_numel:,} parameters, across {grid.replicas} "
+        f"group{'' if grid.replicas == 1 else 's'} of shard_size={grid.shard_size} processes (FSDP2 inside each); "
+        f"rank {grid.rank}'s shard: {engine.numel:,} coordinates, FSDP's padding included,"
+    )
+    line = describe_engine(engine, subject)
+    if grid.replicas == 1:  # a single group: SCAPE's collectives have no peer
+        line += " With one group SCAPE has nothing to send: FSDP's reduce-scatter alone averages the gradients."
+    return line
+
+
+# torch's warning when sharded parameters are initialised on a CPU mesh (the meta-device models that Lightning's
+# FSDP2 strategies materialise), which every process would print once.
+DTENSOR_CPU_INIT_WARNING = "DTensor random operators may not have complete support on cpu device mesh"
+
+
+@contextmanager
+def cpu_init_warned_once(rank: int) -> Iterator[None]:
+    """Inside, torch's :data:`DTENSOR_CPU_INIT_WARNING` shows on rank 0 only: the same words from every process
+    tell nothing more. Only that warning, and only inside."""
+    with warnings.catch_warnings():
+        if rank != 0:
+            warnings.filterwarnings("ignore", message=re.escape(DTENSOR_CPU_INIT_WARNING), category=UserWarning)
+        yield
 
 
 def replace_params(optimizer: Optimizer, before: dict[int, str], module: Module) -> None:

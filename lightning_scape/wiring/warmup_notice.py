@@ -12,7 +12,7 @@ from typing import Literal
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
-from lightning_scape.config import ScapeConfig
+from lightning_scape.config import DENSE_ABOVE, ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.engine.layout import Bucket
 from lightning_scape.wiring.run_traffic import run_bytes
@@ -47,20 +47,24 @@ class WarmupNotice:
         config: ScapeConfig,
         planned_steps: float | None,
         layout: Sequence[Bucket] | None = None,
-        world_size: int = 1,
+        world_size: int | None = None,
         syntax: Syntax = "python",
     ) -> None:
         """Warn if ``planned_steps`` optimizer steps (None or inf: not known) are all sent dense, or, given the
         engine's ``layout`` on ``world_size`` ranks, end inside the density ramp or (on the default schedule) send
-        more than a quarter of DDP's bytes; the message suggests a schedule scaled to the run, in ``syntax``."""
+        more than a quarter of DDP's bytes; the message suggests a schedule scaled to the run, in ``syntax``.
+        A run of one process (``world_size=1``; None: not known) sends nothing, dense or not: the strategies'
+        ``OneProcessWarning`` says so instead."""
         if self.given or planned_steps is None or not math.isfinite(planned_steps) or planned_steps < 1:
+            return
+        if world_size == 1:
             return
         steps = int(planned_steps)
         if dense_on_purpose(config, steps):
             return
         if steps <= config.dense_steps:
             self._say(f"this run has {steps} optimizer steps, {_all_dense(config, steps, syntax)}", syntax)
-        elif layout:
+        elif layout and world_size:
             message = _misfit(config, steps, layout, world_size, syntax)
             if message:
                 self._say(message, syntax)
@@ -72,10 +76,11 @@ class WarmupNotice:
         else:
             rank_zero_warn(f"lightning_scape: {message}", category=DenseWarmupWarning)
 
-    def after_run(self, engine: ScapeEngine) -> None:
-        """Warn if ``engine`` stepped, but never sparsely."""
+    def after_run(self, engine: ScapeEngine, world_size: int | None = None) -> None:
+        """Warn if ``engine`` stepped, but never sparsely, unless the run had one process (``world_size=1``: the
+        ``OneProcessWarning`` told it that nothing is sent)."""
         steps, config = engine.step_count, engine.config
-        if self.given or not 0 < steps <= config.dense_steps or dense_on_purpose(config, steps):
+        if self.given or not 0 < steps <= config.dense_steps or dense_on_purpose(config, steps) or world_size == 1:
             return
         self.given = True
         rank_zero_warn(
@@ -91,11 +96,22 @@ def dense_on_purpose(config: ScapeConfig, steps: int) -> bool:
 
 
 def _all_dense(config: ScapeConfig, steps: int, syntax: Syntax = "python") -> str:
+    """Why every step of a run of ``steps`` is dense, and what to pass instead."""
+    if config.density > DENSE_ABOVE:
+        # Not the warm-up: a step that dense is sent dense (a sparse one would send more than the whole gradient).
+        density = "--scape.density 0.01" if syntax == "cli" else "ScapeStrategy(density=0.01)"
+        return (
+            f"all sent dense: density={config.density:g} is above 1/4, and SCAPE sends a step that dense as DDP does "
+            "(the whole gradient; its values with their indices would be more). No step is sparse. For SCAPE's "
+            f"savings pass a density of at most 0.25, e.g. {density}."
+        )
+    ramp = config.dense_steps - config.dense_warmup_steps
+    why = f"dense_warmup_steps={config.dense_warmup_steps}"
+    if ramp:
+        why += f", and the first {ramp} of density_ramp_steps={config.density_ramp_steps}, denser than 1/4"
     return (
-        f"all sent dense by SCAPE's warm-up (dense_warmup_steps={config.dense_warmup_steps}, and the first "
-        f"{config.dense_steps - config.dense_warmup_steps} of density_ramp_steps={config.density_ramp_steps}): "
-        "every step sends the whole gradient, as DDP does, and no step is sparse. For a run this short pass a "
-        f"smaller warm-up, e.g. {_settings(*scaled_schedule(steps), syntax)}."
+        f"all sent dense by SCAPE's warm-up ({why}): every step sends the whole gradient, as DDP does, and no step "
+        f"is sparse. For a run this short pass a smaller warm-up, e.g. {_settings(*scaled_schedule(steps), syntax)}."
     )
 
 
