@@ -86,6 +86,7 @@ def test_overrides_and_data_shorthand(tmp_path: Path) -> None:
         (["--model_config.padded_vocab_size", "128", "--model_config.vocab_size", "128"], "at least 256"),
         (["--data", "/no/such/folder"], "/no/such/folder"),
         (["--tokenizer_dir", "/tmp"], "Unset tokenizer_dir"),
+        (["--initial_checkpoint_dir", "/no/such/checkpoint"], "initial_checkpoint_dir=/no/such/checkpoint: no such"),
     ],
 )
 def test_bad_values_exit_2_with_a_message_naming_the_fix(
@@ -94,6 +95,84 @@ def test_bad_values_exit_2_with_a_message_naming_the_fix(
     assert run_pretrain(["--config", DEBUG, *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lightning-scape pretrain:") and message in err, err
+
+
+# litgpt's own recipe, config_hub/pretrain/tinystories.yaml (litgpt 0.5; comments and defaults left out): its
+# tokenizer_dir is a folder that `litgpt download` fills.
+LITGPT_TINYSTORIES = """
+model_name: stories15M
+model_config: {name: stories15M, hf_config: {}, scale_embeddings: false, block_size: 256, padded_vocab_size: 32000,
+  n_layer: 6, n_head: 6, n_query_groups: 6, n_embd: 288, head_size: 48, rotary_percentage: 1.0,
+  parallel_residual: false, bias: false, norm_class_name: RMSNorm, mlp_class_name: LLaMAMLP, intermediate_size: 768}
+out_dir: out/pretrain/stories15M
+precision: bf16-mixed
+data: TinyStories
+train: {save_interval: 1000, log_interval: 1, global_batch_size: 512, micro_batch_size: 128, lr_warmup_steps: 1000,
+  max_tokens: 9700000000, max_seq_length: 256, tie_embeddings: true, max_norm: 1.0, min_lr: 0.0}
+eval: {interval: 2000, max_iters: 100, initial_validation: false, final_validation: false}
+optimizer: {class_path: torch.optim.AdamW, init_args: {lr: 0.0005, weight_decay: 0.1, betas: [0.9, 0.95]}}
+devices: auto
+tokenizer_dir: checkpoints/meta-llama/Llama-2-7b-hf
+logger_name: csv
+seed: 42
+"""
+
+
+def test_litgpts_tinystories_recipe_without_its_tokenizer_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no checkpoints/ folder here
+    (tmp_path / "tinystories.yaml").write_text(LITGPT_TINYSTORIES)
+    assert run_pretrain(["--config", "tinystories.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lightning-scape pretrain: tokenizer_dir=checkpoints/meta-"), err
+    assert "`litgpt download meta-llama/Llama-2-7b-hf --tokenizer_only true`" in err
+    (tmp_path / "checkpoints" / "meta-llama" / "Llama-2-7b-hf").mkdir(parents=True)  # downloaded, but empty
+    assert run_pretrain(["--config", "tinystories.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no tokenizer.json or tokenizer.model" in err, err
+
+
+def test_the_summary_says_the_first_step_compiles_only_when_it_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from litgpt.args import TrainArgs
+
+    import lightning_scape.litgpt.pretrain as pretrain_module
+    from lightning_scape import AdamS, ScapeEngine, simulate
+
+    def worker(rank: int, comm: Any) -> ScapeEngine:
+        model = torch.nn.Linear(64, 64)
+        engine = ScapeEngine(
+            AdamS(model.parameters()), ScapeConfig(dense_warmup_steps=1, density_ramp_steps=0), comm, sync_params=False
+        )
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            engine.step()
+            engine.zero_grad()
+        engine.close()
+        return engine
+
+    engine = simulate(2, worker)[0]
+    now = [0.0]  # the clock reads a counter this test advances: no timing
+    monkeypatch.setattr(pretrain_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    for compiled in (False, True):
+        printed: list[str] = []
+        recipe = types.SimpleNamespace(model_config=types.SimpleNamespace(block_size=16))
+        logger = pretrain_module._CommunicationLogger(1, TrainArgs(global_batch_size=4, micro_batch_size=2), recipe)
+        logger.fabric = types.SimpleNamespace(  # type: ignore[assignment]
+            strategy=types.SimpleNamespace(engine=engine), world_size=2, print=printed.append
+        )
+        logger.compiled = compiled
+        for step in (1, 2, 3):
+            logger.clock.step_done(step)
+            now[0] += 1.0
+        logger.report_total(Path("nowhere"))
+        (summary,) = printed
+        assert "steps 2-3 over 2.0 s" in summary
+        assert ("the first step, which compiles" in summary) == compiled, summary
+        assert "steps:         3: 1 dense warm-up (dense_warmup_steps=1), 2 sparse at density 0.01" in summary
 
 
 def test_a_data_folder_without_text_is_refused_before_launch_in_one_line(
@@ -356,6 +435,24 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_the_litgpt_extra_holds_what_litgpts_own_command_needs_and_ci_installs_it() -> None:
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    # litgpt's `litgpt` command reads configs through jsonargparse's URL support, which needs requests; litgpt
+    # declares it only in its heavy [extra].
+    assert any(requirement.startswith("requests") for requirement in extras["litgpt"])
+    assert set(extras["litgpt"]) <= set(extras["test"])  # CI's environment is a [litgpt] user's: the test below
+
+
+@pytest.mark.dist  # litgpt's command imports torch, Lightning and litgpt: seconds
+def test_litgpts_own_command_runs_where_the_litgpt_extra_is_installed() -> None:
+    litgpt = Path(sys.executable).parent / "litgpt"
+    for args in (["--help"], ["pretrain", "--help"]):
+        proc = subprocess.run([str(litgpt), *args], capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0 and "usage: litgpt" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_config_names_a_shipped_recipe(tmp_path: Path) -> None:
