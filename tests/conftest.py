@@ -4,6 +4,11 @@
 ``pythonpath`` in pyproject.toml's ``[tool.pytest.ini_options]``.
 
 Fixtures: the two multi-process launches that several test modules read, each started once per session.
+
+A test module may define ``runs_in_another_process(item) -> bool``: the tests it names are deselected here, not
+skipped, because another test runs them in a fresh process (``tests/test_kernels.py``: the interpreted Triton
+kernels, when triton was imported compiled first). The fast lane then reports them with the other lane's
+deselected tests rather than as hundreds of skips.
 """
 
 from __future__ import annotations
@@ -18,6 +23,17 @@ from helpers import PYTHON, child_env, launcher_args, run_script
 from lightning_scape.examples.workloads import free_port
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the tests their module says run in another process (``runs_in_another_process``)."""
+    kept, elsewhere = [], []
+    for item in items:
+        runs_elsewhere = getattr(getattr(item, "module", None), "runs_in_another_process", None)
+        (elsewhere if runs_elsewhere is not None and runs_elsewhere(item) else kept).append(item)
+    if elsewhere:
+        config.hook.pytest_deselected(items=elsewhere)
+        items[:] = kept
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ the engine on the tiny net (``test_engine``, ``test_engine_dist``); the strategi
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -18,7 +20,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -196,6 +198,29 @@ def run_script(
 def save_output(outdir: str, name: str, rank: int, obj: Any) -> None:
     """Save what rank ``rank`` of a scenario produced, as ``<outdir>/<name>_rank<rank>.pt``."""
     torch.save(obj, os.path.join(outdir, f"{name}_rank{rank}.pt"))
+
+
+@contextlib.contextmanager
+def rank_zero_messages() -> Iterator[list[str]]:
+    """The messages ``rank_zero_info`` logs inside (none on ranks other than 0): the strategies' start-up line and
+    end-of-run summary. They go to the logger that ``lightning_utilities`` holds (Fabric's or the Trainer's)."""
+    import lightning_utilities.core.rank_zero as rank_zero
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger, handler = rank_zero.log, Keep(logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def load_outputs(outdir: str, name: str, world_size: int = 2) -> list[Any]:

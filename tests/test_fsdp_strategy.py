@@ -9,15 +9,29 @@ computed here, in one process: data-parallel AdamS over the four ranks' batches 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from helpers import PYTHON, child_env, expect_failure, launcher_args, load_outputs, rel_err, save_output, scenario
+from helpers import (
+    PYTHON,
+    child_env,
+    expect_failure,
+    launcher_args,
+    load_outputs,
+    rank_zero_messages,
+    rel_err,
+    save_output,
+    scenario,
+)
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -36,6 +50,8 @@ from lightning_scape.comm import Communicator
 from lightning_scape.examples.workloads import free_port
 from lightning_scape.kernels import mask_positions
 from lightning_scape.pytorch import ScapeFSDPStrategy as TrainerFSDPStrategy
+from lightning_scape.wiring import run_summary
+from lightning_scape.wiring.fsdp import DTENSOR_CPU_INIT_WARNING
 
 pytestmark = pytest.mark.dist
 
@@ -473,6 +489,52 @@ def test_meta_device_initialisation_gives_every_group_the_same_model(fsdp_runs: 
         assert out["meta"] and torch.isfinite(out["start"]).all() and out["start"].abs().sum() > 0
         assert torch.equal(out["start"], outs[0]["start"])
         assert all(torch.equal(a, b) for a, b in zip(out["params"], outs[0]["params"], strict=True))
+
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "fsdp.md"
+DOC_EXAMPLE = re.compile(r"```python\n(# train_fsdp\.py[^\n]*\n.*?)```.*?```text\n(.*?)```", re.S)
+
+
+@scenario("fsdp_fabric")
+def the_docs_fabric_example(outdir: str) -> None:
+    """docs/fsdp.md's ``train_fsdp.py`` as it stands there (its ``devices=4, shard_size=2`` are these torchrun
+    processes): what it logged, printed and warned, and its summary at the end."""
+    code = DOC_EXAMPLE.search(DOC.read_text()).group(1)  # type: ignore[union-attr]
+    here = os.getcwd()
+    os.chdir(outdir)  # its checkpoint folder, "ckpt", goes there
+    printed = io.StringIO()
+    try:
+        with warnings.catch_warnings(record=True) as caught, rank_zero_messages() as logged:
+            warnings.simplefilter("default")  # as a plain `python train_fsdp.py` shows them: once per place
+            with contextlib.redirect_stdout(printed):
+                namespace: dict[str, Any] = {"__name__": "__main__"}
+                exec(compile(code, "train_fsdp.py", "exec"), namespace)
+            namespace["fabric"].strategy._note_end_of_run()  # what its exit hook does
+    finally:
+        os.chdir(here)
+    out = {
+        "logged": logged,
+        "printed": printed.getvalue(),
+        "dtensor_warnings": sum(DTENSOR_CPU_INIT_WARNING in str(w.message) for w in caught),
+        "checkpoint": sorted(os.listdir(os.path.join(outdir, "ckpt"))),
+    }
+    save_output(outdir, "docs_example", rank(), out)
+
+
+def test_the_docs_fabric_example_runs_says_what_scape_does_and_warns_once(fsdp_runs: str) -> None:
+    outs = load_outputs(fsdp_runs, "docs_example", W)
+    shown = DOC_EXAMPLE.search(DOC.read_text()).group(2).splitlines()  # type: ignore[union-attr]
+    startup = [m for m in outs[0]["logged"] if m.startswith("lightning_scape: SCAPE on")]
+    # The start-up line the page shows is the one rank 0 logged: what SCAPE will do, across the groups.
+    assert startup == [shown[0]] and "across 2 groups of shard_size=2 processes" in shown[0]
+    (summary,) = [m for m in outs[0]["logged"] if m.startswith(run_summary.HEADING)]
+    assert "HSDP would have sent" in summary and "21 sparse at density 0.01" in summary
+    assert all(not out["logged"] for out in outs[1:])  # rank 0 speaks for all
+    losses = [float(line.rsplit(" ", 1)[1]) for line in outs[0]["printed"].splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # the pattern is being learnt
+    # torch's warning about initialising DTensors on a CPU mesh: once (rank 0), not once per process.
+    assert [out["dtensor_warnings"] for out in outs] == [1, 0, 0, 0]
+    assert outs[0]["checkpoint"] == ["meta.pt"] + [f"shard-{r:05d}.pt" for r in range(W)]
 
 
 # ------------------------------------------------------------------------------------- the Trainer form

@@ -2,10 +2,11 @@
 
 Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is decorated: its own ``tl.sum`` and
 ``tl.cumsum`` when triton is first imported, the kernels when ``lightning_scape.kernels`` is. So this
-module sets ``TRITON_INTERPRET=1`` before importing triton. Run alone (``pytest tests/test_kernels.py``)
-that is the first import and every test runs here. In a full run an earlier test module has already
-imported triton compiled for the GPU; then every test here is skipped but
-``test_kernels_in_a_fresh_interpreter_process``, which runs this file in a fresh process instead.
+module sets ``TRITON_INTERPRET=1`` before importing triton, when it is the first import. ``conftest.py`` imports
+the package, which imports triton compiled for the GPU, so in any pytest run without ``TRITON_INTERPRET=1`` in
+the environment every test here is deselected (:func:`runs_in_another_process`, read by ``conftest.py``) but
+``test_kernels_in_a_fresh_interpreter_process``, which runs this file in a fresh process with it set, in the
+multi-process lane (``pytest -m dist``). ``TRITON_INTERPRET=1 pytest tests/test_kernels.py`` runs them here.
 
 Exact equality is required wherever the kernel does what the ref does with the same rounding (indices,
 error feedback, scatter/decay); the AdamS math is compared with per-dtype tolerances because PyTorch's
@@ -57,11 +58,20 @@ def random_mask(rows: int, chunk_size: int, k: int, gen: torch.Generator) -> tor
     return torch.rand(rows, chunk_size, generator=gen).argsort(dim=1)[:, :k].to(torch.int16).contiguous()
 
 
+def runs_in_another_process(item: pytest.Item) -> bool:
+    """Whether ``item`` cannot run in this process and runs in a fresh one instead (``conftest.py`` deselects it):
+    a test of the interpreted kernels when triton was imported compiled for the GPU before this module."""
+    return not K.INTERPRETED and getattr(item, "originalname", item.name) not in _OWN_PROCESS_TESTS
+
+
 @pytest.fixture(autouse=True)
 def interpreted(request: pytest.FixtureRequest) -> None:
-    """Skip the in-process tests when the kernels were compiled for the GPU (see the module docstring)."""
-    if not K.INTERPRETED and request.node.originalname not in _OWN_PROCESS_TESTS:
-        pytest.skip(f"triton was imported without TRITON_INTERPRET=1 first; {_FRESH_PROCESS_TEST} runs this file")
+    """Skip an in-process test that was selected all the same (see the module docstring)."""
+    if runs_in_another_process(request.node):
+        pytest.skip(
+            f"triton was imported without TRITON_INTERPRET=1 first; {_FRESH_PROCESS_TEST} runs this file in a fresh "
+            "process, in the multi-process lane (pytest -m dist)"
+        )
 
 
 @pytest.mark.dist

@@ -96,3 +96,21 @@ def test_pretrain_is_told_in_its_flags_without_a_source_path(capsys: pytest.Capt
     assert "--scape.dense_warmup_steps 7 --scape.density_ramp_steps 102" in err and ".py:" not in err
     warmup_notice.WarmupNotice().before_run(ScapeConfig(), 20, syntax="cli")  # all dense: the same flags
     assert "--scape.dense_warmup_steps 1 --scape.density_ramp_steps 8" in capsys.readouterr().err
+
+
+def test_a_run_dense_because_its_density_is_above_a_quarter_is_told_so_not_of_a_ramp() -> None:
+    # No warm-up, so no ramp: the steps are dense because a step at density 1 is sent dense.
+    (message,) = _notice(ScapeConfig(density=1.0, dense_warmup_steps=0), 300)
+    assert "300 optimizer steps, all sent dense: density=1 is above 1/4" in message
+    assert "density_ramp_steps" not in message and "warm-up" not in message
+    assert "ScapeStrategy(density=0.01)" in message
+    # A warm-up without dense ramp steps names the warm-up only.
+    (message,) = _notice(ScapeConfig(dense_warmup_steps=40, density_ramp_steps=0), 30)
+    assert "by SCAPE's warm-up (dense_warmup_steps=40):" in message and "of density_ramp_steps" not in message
+
+
+def test_one_process_is_not_told_that_its_steps_send_the_whole_gradient() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is sent at all: the strategies' OneProcessWarning says so
+        warmup_notice.WarmupNotice().before_run(ScapeConfig(), 20, _layout(), world_size=1)
+        warmup_notice.WarmupNotice().before_run(ScapeConfig(), 20, world_size=1, syntax="cli")

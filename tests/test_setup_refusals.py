@@ -50,6 +50,9 @@ def test_low_precision_weights_are_refused_by_both_strategies_and_one_process_is
     trainer_warning, fabric_warning = out["one_process"]  # once per strategy, not once per step or set-up
     assert "communicates nothing" in trainer_warning and "Trainer(devices=2" in trainer_warning
     assert "Fabric(devices=2" in fabric_warning and "strategy='auto'" in fabric_warning
+    # Runs of one process whose steps are all dense are not told "every step sends the whole gradient": one
+    # process sends nothing (the warning above), and a second warning beside it only misleads.
+    assert out["dense_warmup"] == []
 
 
 def test_a_scape_checkpoint_resumed_by_ddp_fails_saying_what_it_is_instead_of_empty_moments(tmp_path: Path) -> None:
