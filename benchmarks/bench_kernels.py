@@ -4,7 +4,6 @@
     python benchmarks/bench_kernels.py --sizes 1e8 --dtype bf16 # skip 1e9 (about 20 GB at fp32)
     python benchmarks/bench_kernels.py --peak-gbps 3350         # device not in the peak table
     python benchmarks/bench_kernels.py --compare-ref            # also time the pure-PyTorch refs on the GPU
-    python benchmarks/bench_kernels.py --select prefilter       # only the current selection kernel
 
 Per kernel: the bytes it must move (formulas in docs/kernels.md), the median time over ``--iters`` launches
 measured with CUDA events, the achieved GB/s and its fraction of the GPU's peak DRAM bandwidth (from the
@@ -13,12 +12,6 @@ ef_compact + sparse_adams + select_mask + scatter_decay on N parameters at densi
 W > 1 are not part of it), compared with ``torch.optim.AdamW(fused=True)`` and the dense AdamS kernel on
 the same N. Without a CUDA GPU the script says so, runs the code path on a tiny CPU size with the refs
 (not a measurement) and exits 0.
-
-The selection (``select_mask``, ``chunk_topk``) has a candidate kernel behind ``LIGHTNING_SCAPE_SELECT_KERNEL=stream``
-(``kernels/chunk_topk_stream.py``). ``--select both`` (the default) checks it against the refs with the other
-kernels (``--check``), and times it against the current kernel in alternating rounds (``--rounds``; medians of the
-rounds, and the median of the per-round ratios), on the kernel table's problem, on an all-zero state (a chunk of
-ties) and inside the whole sparse step.
 """
 
 from __future__ import annotations
@@ -34,7 +27,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -76,10 +68,6 @@ STATE = (
 )
 EXACT_OPS = ("ef_compact", "select_mask", "chunk_topk", "scatter_decay", "round_int8")
 INT8_GROUP = INT8_DENSE_GROUP  # a dense step's coordinates per scale in the int8 wire
-# The selection kernels (LIGHTNING_SCAPE_SELECT_KERNEL): the default first, then the candidate.
-SELECT_ENV = "LIGHTNING_SCAPE_SELECT_KERNEL"
-CURRENT, CANDIDATE = "prefilter", "stream"
-SELECT_OPS = ("select_mask", "chunk_topk")
 
 
 @dataclass
@@ -296,11 +284,10 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
             print("note: the dispatcher runs the refs (LIGHTNING_SCAPE_FORCE_REF=1 or no triton): timing the refs")
     results: dict[str, object] = {"device": name, "peak_gbps": peak, "args": vars(args)}
 
-    # Per-kernel bandwidth on one problem (the selection ops on the kernel --select names; both: the current).
+    # Per-kernel bandwidth on one problem.
     kernel_numel = int(args.kernel_numel) if cuda else 1 << 16
     prob = Problem(kernel_numel, args.chunk_size, args.density, args.exploration, dtype, device)
-    with select_kernel(CURRENT if args.select == "both" else args.select):
-        rows = [Row(op, prob.N, prob.path(), timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
+    rows = [Row(op, prob.N, prob.path(), timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
     if args.compare_ref and cuda:
         with forced_ref():
             rows += [Row(op, prob.N, "ref", timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
@@ -309,8 +296,6 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
         title = "CPU smoke run of the code path (tiny size, refs or forced interpreter): NOT a measurement; " + title
     print_rows(title, rows, peak, bandwidth=cuda)
     results["kernels"] = [asdict(r) | {"gbps": r.gbps} for r in rows]
-    if args.select == "both":
-        results["selection"] = compare_selection(prob, timer, iters, warmup, args.rounds, peak, cuda)
     del prob
 
     # The whole sparse step against fused AdamW (and the dense AdamS kernel of the warm-up steps).
@@ -323,12 +308,8 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
             print(f"\nskipping N={n:,}: needs about {need / 2**30:.1f} GiB, {free_bytes() / 2**30:.1f} GiB free")
             continue
         prob = Problem(n, args.chunk_size, args.density, args.exploration, dtype, device)
-        scapes = []
-        for kernel in (CURRENT, CANDIDATE) if args.select == "both" else (args.select,):
-            with select_kernel(kernel):
-                ms = timer(prob.sparse_step, iters, warmup)
-            label = "SCAPE sparse step" + ("" if kernel == CURRENT else f" [{kernel}]")
-            scapes.append(Row(label, prob.N, prob.path(), ms, prob.bytes("sparse_step")))
+        scape = Row("SCAPE sparse step", prob.N, prob.path(), timer(prob.sparse_step, iters, warmup), 0)
+        scape.bytes_moved = prob.bytes("sparse_step")
         dense = Row("dense AdamS (dense_adams)", prob.N, prob.path(), timer(prob.dense_adams, iters, warmup), 0)
         dense.bytes_moved = prob.bytes("dense_adams")
         adamw_bytes = prob.bytes("adamw_fused")
@@ -337,10 +318,9 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
         label = "torch AdamW(fused=True)" if cuda else "torch AdamW (CPU, not fused)"
         adamw = Row(label, n, "torch", timer(step, iters, warmup), adamw_bytes)
         del step, keep
-        step_rows += [*scapes, dense, adamw]
+        step_rows += [scape, dense, adamw]
         if cuda:
-            for scape in scapes:
-                print(f"\nN={n:,}: {scape.name} / fused AdamW step = {scape.median_ms / adamw.median_ms:.3f}")
+            print(f"\nN={n:,}: SCAPE sparse step / fused AdamW step = {scape.median_ms / adamw.median_ms:.3f}")
     if step_rows:
         title = f"optimizer step at d={args.density}"
         if not cuda:
@@ -350,219 +330,40 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
     return results
 
 
-def compare_selection(
-    prob: Problem,
-    timer: Callable[[Callable[[], object], int, int], float],
-    iters: int,
-    warmup: int,
-    rounds: int,
-    peak: float | None,
-    cuda: bool,
-) -> list[dict[str, Any]]:
-    """The current and the candidate selection kernel timed in alternating rounds on ``prob``'s state.
-
-    Cases: ``select_mask`` and ``chunk_topk`` as in the kernel table, and ``select_mask`` on an all-zero state
-    (every chunk one tie: the path after the prefilter that a chunk of ties takes). Each round times the
-    current kernel, the candidate, and the candidate with tiles of 8 values per thread (``iters`` launches
-    each, their median).
-
-    Returns:
-        Per case: the medians over the rounds (ms) of each kernel, and the medians of the per-round ratios to
-        the current kernel (below 1: faster); ``candidate_over_current`` is the candidate's at its default.
-    """
-    zeros = torch.zeros_like(prob.momentum)
-    cases: dict[str, tuple[Callable[[], object], int]] = {
-        "select_mask": (prob.select_mask, prob.bytes("select_mask")),
-        "chunk_topk": (prob.chunk_topk, prob.bytes("chunk_topk")),
-        "select_mask, all-zero state": (
-            lambda: K.select_mask(zeros, zeros, 0.9, "momentum", prob.C, prob.k, prob.ke, 3),
-            prob.bytes("select_mask"),
-        ),
-    }
-    # The current kernel, the candidate, and the candidate with tiles of 8 values per thread (its one setting that
-    # registers alone could not decide: docs/kernels.md).
-    kernels = {CURRENT: (CURRENT, None), CANDIDATE: (CANDIDATE, None), f"{CANDIDATE}-vpt8": (CANDIDATE, 8)}
-    rows: list[Row] = []
-    out: list[dict[str, Any]] = []
-    for case, (fn, nbytes) in cases.items():
-        times: dict[str, list[float]] = {name: [] for name in kernels}
-        for _ in range(rounds):
-            for name, (kernel, vpt) in kernels.items():
-                with select_kernel(kernel), stream_values_per_thread(vpt):
-                    times[name].append(timer(fn, iters, warmup))
-        ratios = {name: statistics.median(c / p for p, c in zip(times[CURRENT], t, strict=True))
-                  for name, t in times.items() if name != CURRENT}  # fmt: skip
-        medians = {name: statistics.median(t) for name, t in times.items()}
-        rows += [Row(f"{case} [{name}]", prob.N, prob.path(), ms, nbytes) for name, ms in medians.items()]
-        out.append({"case": case, "rounds": rounds, "median_ms": medians, "candidate_over_current": ratios[CANDIDATE],
-                    "over_current": ratios,
-                    "gbps": {name: nbytes / (ms * 1e-3) / 1e9 for name, ms in medians.items()}})  # fmt: skip
-    title = f"selection kernels side by side ({rounds} alternating rounds; medians), candidate = {CANDIDATE}"
-    if not cuda:
-        title = "CPU smoke run (tiny size): NOT a measurement; " + title
-    print_rows(title, rows, peak, bandwidth=cuda)
-    if cuda:
-        for r in out:
-            for name, ratio in r["over_current"].items():
-                print(f"  {r['case']}: {name} / current = {ratio:.3f} (the median of the per-round ratios)")
-    return out
-
-
-@contextlib.contextmanager
-def stream_values_per_thread(values: int | None) -> Iterator[None]:
-    """Temporarily give the candidate kernel's tiles ``values`` per thread (None: its default), for the timing."""
-    from lightning_scape.kernels import chunk_topk_stream
-
-    old = chunk_topk_stream.VALUES_PER_THREAD
-    chunk_topk_stream.VALUES_PER_THREAD = old if values is None else values
-    try:
-        yield
-    finally:
-        chunk_topk_stream.VALUES_PER_THREAD = old
-
-
 # (chunk size, density, rows) of the problems check() runs: tiny to the largest chunks, odd row counts.
 CHECK_CASES: tuple[tuple[int, float, int], ...] = ((64, 0.1, 1001), (4096, 0.01, 33), (4096, 1.0, 3), (32768, 0.01, 3))
 
 
 def check(
-    device: str,
-    dtype: torch.dtype,
-    exploration: float,
-    cases: tuple[tuple[int, float, int], ...] = CHECK_CASES,
-    candidate: bool = True,
+    device: str, dtype: torch.dtype, exploration: float, cases: tuple[tuple[int, float, int], ...] = CHECK_CASES
 ) -> list[str]:
     """Every dispatched op (the kernels, on CUDA) against its ref from the same state; returns the failures.
 
     The test suite checks the kernels in Triton's CPU interpreter; this checks the compiled kernels on
-    the GPU. Indices, error feedback and scatter/decay must be equal; the AdamS ops close. With
-    ``candidate``, the selection ops also run on the candidate kernel (their failures are named
-    ``<op>[stream]``): on these problems, on :data:`CANDIDATE_CASES` (on a GPU) and on :func:`hard_scores`.
+    the GPU. Indices, error feedback and scatter/decay must be equal; the AdamS ops close.
     """
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (8e-3, 1e-5)
     failures = []
     for C, density, rows in cases:
         base = Problem(rows * C, C, density, exploration, dtype, device)
         base.values.normal_()  # the averaged slot values sparse_adams reads
         base.new_values.normal_()  # the new slot values scatter_decay writes
-        runs = [(op, CURRENT) for op in OPS] + ([(op, CANDIDATE) for op in SELECT_OPS] if candidate else [])
-        for op, kernel_name in runs:
-            failures += compare_op(base, op, kernel_name, f"C={C}, d={density}, {rows} rows")
+        for op in OPS:
+            kernel, ref = base.clone(), base.clone()
+            getattr(kernel, op)()
+            with forced_ref():
+                getattr(ref, op)()
+            for name in STATE:
+                a, b = getattr(kernel, name), getattr(ref, name)
+                if op in EXACT_OPS or not a.is_floating_point():
+                    ok = torch.equal(a, b)
+                else:
+                    ok = torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
+                if not ok:
+                    bad = int((a != b).sum())
+                    failures.append(f"{op} (C={C}, d={density}, {rows} rows): {name} differs in {bad} values")
         print(f"checked C={C} d={density} rows={rows} on {device} ({base.path()} vs ref)")
-    if not candidate:
-        return failures
-    cpu = device == "cpu"
-    for C, density, rows in () if cpu else CANDIDATE_CASES:  # the interpreter: tests/test_kernels.py has them
-        base = Problem(rows * C, C, density, exploration, dtype, device)
-        for op in SELECT_OPS:
-            failures += compare_op(base, op, CANDIDATE, f"C={C}, d={density}, {rows} rows")
-        print(f"checked the candidate selection at C={C} d={density} rows={rows} on {device}")
-    # In Triton's CPU interpreter (gpu_check --tiny) one chunk of the smaller problem: the code path, in seconds
-    # (tests/test_kernels.py runs these scores on several chunks there).
-    return failures + check_hard_selection(device, dtype, HARD_SIZES[:1] if cpu else HARD_SIZES, rows=1 if cpu else 7)
-
-
-def compare_op(base: Problem, op: str, kernel_name: str, where: str) -> list[str]:
-    """``op`` on the dispatched path (with selection kernel ``kernel_name``) against its ref, from ``base``'s state.
-
-    Returns:
-        One line per tensor of the state that differs (exact ops: at all; the AdamS arithmetic: beyond tolerance).
-    """
-    rtol, atol = (1e-5, 1e-6) if base.dtype == torch.float32 else (8e-3, 1e-5)
-    kernel, ref = base.clone(), base.clone()
-    with select_kernel(kernel_name):
-        getattr(kernel, op)()
-    with forced_ref():
-        getattr(ref, op)()
-    label = op if kernel_name == CURRENT else f"{op}[{kernel_name}]"
-    failures = []
-    for name in STATE:
-        a, b = getattr(kernel, name), getattr(ref, name)
-        if op in EXACT_OPS or not a.is_floating_point():
-            ok = torch.equal(a, b)
-        else:
-            ok = torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
-        if not ok:
-            failures.append(f"{label} ({where}): {name} differs in {int((a != b).sum())} values")
     return failures
-
-
-# (chunk size, density, rows) the candidate selection is also checked on, on a GPU: every chunk size it streams
-# (1024-8192), few and many slots, odd row counts.
-CANDIDATE_CASES: tuple[tuple[int, float, int], ...] = (
-    (1024, 0.01, 33),
-    (2048, 0.005, 17),
-    (4096, 0.001, 9),
-    (4096, 0.1, 9),
-    (8192, 0.01, 9),
-)
-# (C, k) of the hard selection problems check() runs on the candidate.
-HARD_SIZES: tuple[tuple[int, int], ...] = ((1024, 10), (4096, 41))
-
-
-def hard_scores(rows: int, chunk_size: int, k: int, gen: torch.Generator) -> dict[str, Tensor]:
-    """fp32 scores (on the CPU) that take each path of the selection kernels after their group-maximum prefilter.
-
-    ``zeros``: every key tied (too many candidate groups, the k-th largest is their common key); ``shared``: one
-    16-bit bin (too many candidates, the low bits decide); ``packed``: the top k packed into a few adjacent groups
-    (few candidates, more than k of them in the top bin); ``clustered``: too many candidate groups and the top k
-    packed above them (every bit decides). ``tests/test_kernels.py`` runs them in the interpreter.
-    """
-    C = chunk_size
-    zeros = torch.zeros(rows * C)
-    shared = 1.0 + 1e-6 * torch.randn(rows * C, generator=gen).abs()
-    packed = torch.rand(rows * C, generator=gen) * 1e-3
-    packed.view(rows, C)[:, 100 : 100 + k + 5] += torch.rand(rows, k + 5, generator=gen) + 1.0
-    clustered = torch.rand(rows * C, generator=gen) * 1e-3
-    clustered.view(rows, C)[:, 8 : 8 + k + 3] = 100.0 + torch.rand(rows, k + 3, generator=gen)
-    n = min(C // 8, 100 * C // 1024)  # more candidate groups at ~1.0 than the prefilter's cap
-    clustered.view(rows, C)[:, C // 2 : C // 2 + 4 * n : 4] = 1.0 + 1e-6 * torch.rand(rows, n, generator=gen)
-    return {"zeros": zeros, "shared": shared, "packed": packed, "clustered": clustered}
-
-
-def check_hard_selection(
-    device: str, dtype: torch.dtype, sizes: tuple[tuple[int, int], ...] = HARD_SIZES, rows: int = 7
-) -> list[str]:
-    """The candidate selection kernel against the refs on :func:`hard_scores`; the failures.
-
-    Args:
-        device: Where the kernels run.
-        dtype: The scores' dtype (``select_mask`` reads them as fp32 momentum).
-        sizes: (C, k) of the problems.
-        rows: Chunks per problem.
-    """
-    failures = []
-    for C, k in sizes:
-        gen = torch.Generator().manual_seed(C)
-        for name, cpu_scores in hard_scores(rows, C, k, gen).items():
-            s = cpu_scores.to(device=device, dtype=dtype)
-            for ke, off in ((0, 0), (max(1, k // 10), C - 1)):
-                with select_kernel(CANDIDATE):
-                    got = K.chunk_topk(s, C, k, ke, off)
-                    m = s.float()
-                    got_mask = K.select_mask(m, torch.zeros_like(m), 0.9, "momentum", C, k, ke, off)
-                with forced_ref():
-                    want = K.chunk_topk(s, C, k, ke, off)
-                    want_mask = K.select_mask(m, torch.zeros_like(m), 0.9, "momentum", C, k, ke, off)
-                if not torch.equal(got, want):
-                    failures.append(f"chunk_topk[{CANDIDATE}] ({name}, C={C}, k={k}, k_explore={ke}) differs")
-                if not torch.equal(got_mask, want_mask):
-                    failures.append(f"select_mask[{CANDIDATE}] ({name}, C={C}, k={k}, k_explore={ke}) differs")
-    print(f"checked the candidate selection on hard scores on {device}")
-    return failures
-
-
-@contextlib.contextmanager
-def select_kernel(name: str) -> Iterator[None]:
-    """Temporarily set ``LIGHTNING_SCAPE_SELECT_KERNEL`` to ``name`` (the selection kernel the entry points run)."""
-    old = os.environ.get(SELECT_ENV)
-    os.environ[SELECT_ENV] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(SELECT_ENV, None)
-        else:
-            os.environ[SELECT_ENV] = old
 
 
 @contextlib.contextmanager
@@ -595,12 +396,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--peak-gbps", type=float, default=None, help="peak DRAM bandwidth, GB/s (overrides the table)")
     ap.add_argument("--compare-ref", action="store_true", help="also time the pure-PyTorch refs on the GPU")
-    ap.add_argument(
-        "--select", choices=(CURRENT, CANDIDATE, "both"), default="both",
-        help="selection kernel(s) to check and time: the current (prefilter), the candidate (stream), or both side "
-        "by side (default)",
-    )  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the side-by-side selection timing")
     ap.add_argument("--no-cpu-smoke", action="store_true", help="without a GPU, do not run the tiny CPU smoke run")
     ap.add_argument("--check", action="store_true", help="first check every kernel against its ref (exit 1 if off)")
     ap.add_argument("--check-only", action="store_true", help="only the check")
@@ -616,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         if device == "cpu" and not K.use_triton(torch.empty(1)):
             print("check: no GPU and no forced interpreter (TRITON_INTERPRET=1 LIGHTNING_SCAPE_FORCE_TRITON=1)")
         else:
-            failures = check(device, DTYPES[args.dtype], args.exploration, candidate=args.select != CURRENT)
+            failures = check(device, DTYPES[args.dtype], args.exploration)
             print("\n".join(["check FAILED:", *failures]) if failures else "check passed: kernels match the refs")
             if failures:
                 return 1

@@ -17,11 +17,6 @@ SCAPE's quality at scale (``benchmarks.scale``).
    ``--tiny``), SCAPE at
    d = 0.01 with a schedule that fits the run, trained twice from the same weights on the same batches:
    on the Triton kernels and on the references (``LIGHTNING_SCAPE_FORCE_REF=1``). Their losses must agree.
-
-The first two parts also check and time the candidate selection kernel (``LIGHTNING_SCAPE_SELECT_KERNEL=stream``,
-``kernels/chunk_topk_stream.py``) beside the current one; a candidate that differs from the references is reported,
-and does not fail the check (the engine does not run it unless asked).
-
 4. **Scale** (unless ``--no-scale``): ``python -m benchmarks.scale`` in a process of its own, given what is left of
    ``--total-budget-s`` (780 s: 13 minutes in all), at most its own 8 minutes; it writes under ``--out``/scale.
 
@@ -64,8 +59,6 @@ TINY_CASES = ((8, 0.25, 7), (64, 0.1, 5), (256, 0.05, 3))
 TOTAL_BUDGET_S = 780.0
 SCALE_BUDGET_S = 480.0
 MIN_SCALE_BUDGET_S = 300.0
-# The failures of the candidate selection kernel carry this tag (bench_kernels.check).
-CANDIDATE_TAG = "[stream]"
 
 
 @dataclass(frozen=True)
@@ -129,7 +122,7 @@ def bandwidth(device: str, peak_gbps: float | None, tiny: bool = False) -> dict[
     from benchmarks import bench_kernels
 
     argv = [] if peak_gbps is None else ["--peak-gbps", str(peak_gbps)]
-    argv += ["--iters", "1", "--warmup", "0", "--rounds", "1"] if tiny else []
+    argv += ["--iters", "1", "--warmup", "0"] if tiny else []
     return bench_kernels.run(bench_kernels.build_parser().parse_args(argv), device)
 
 
@@ -264,28 +257,6 @@ def run_scale(args: argparse.Namespace, elapsed_s: float) -> dict[str, Any]:
     return {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": time.perf_counter() - t0, "report": report}
 
 
-def selection_md(report: dict[str, Any]) -> list[str]:
-    """The candidate selection kernel's lines of ``report.md``: its check, and its timing beside the current one."""
-    lines = ["", "## Selection kernels: the current one and the candidate (`LIGHTNING_SCAPE_SELECT_KERNEL=stream`)", ""]
-    for dtype, failures in report["candidate_check"].items():
-        lines.append(f"- {dtype}: " + ("the candidate matches the references" if not failures else
-                                       "the candidate DIFFERS: " + "; ".join(failures)))  # fmt: skip
-    if not report["device"]["cuda"]:
-        return [*lines, "", "Not timed (no GPU)."]
-    peak = report["device"]["peak_gbps"]
-    lines += ["", "| case | kernel | median ms | GB/s | % of peak | / current |", "|---|---|---|---|---|---|"]
-    for r in report["bandwidth"].get("selection", []):
-        for name, ms in r["median_ms"].items():
-            gbps = r["gbps"][name]
-            pct = f"{100 * gbps / peak:.1f}" if peak else "n/a"
-            ratio = f"{r['over_current'][name]:.3f}" if name in r["over_current"] else "1"
-            lines.append(f"| {r['case']} | {name} | {ms:.3f} | {gbps:.1f} | {pct} | {ratio} |")
-    rounds = report["bandwidth"]["selection"][0]["rounds"] if report["bandwidth"].get("selection") else 0
-    return [*lines, "", f"Medians of {rounds} alternating rounds; the ratio is the median of the per-round ratios "
-            "to the current kernel (prefilter). stream-vpt8: the candidate with tiles of 8 values per thread (its "
-            "default is 16)."]  # fmt: skip
-
-
 def report_md(report: dict[str, Any]) -> str:
     """``report.md``."""
     dev = report["device"]
@@ -333,7 +304,6 @@ def report_md(report: dict[str, Any]) -> str:
             f"- median step: kernels {1e3 * t['kernel']['median_step_s']:.1f} ms, references "
             f"{1e3 * t['reference']['median_step_s']:.1f} ms"
         )
-    lines += selection_md(report)
     scale = report.get("scale")
     if scale is not None:
         lines += ["", "## The scale run", ""]
@@ -402,10 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     with env(LIGHTNING_SCAPE_FORCE_TRITON=None if cuda else "1", LIGHTNING_SCAPE_FORCE_REF=None):
-        checked = kernels_against_refs(device, args.tiny)
+        report["kernel_check"] = kernels_against_refs(device, args.tiny)
         report["bandwidth"] = bandwidth(device, args.peak_gbps, args.tiny)
-    report["kernel_check"] = {d: [f for f in fs if CANDIDATE_TAG not in f] for d, fs in checked.items()}
-    report["candidate_check"] = {d: [f for f in fs if CANDIDATE_TAG in f] for d, fs in checked.items()}
     if not cuda:
         one_launch_at_a_time()
     runs = {"kernel": train(size, device, reference=False), "reference": train(size, device, reference=True)}

@@ -6,14 +6,10 @@ Each row of the result lists its k indices in ascending order.
 
 ``select_mask`` fuses the mask statistic into the selection: the Triton kernel reads the momentum and
 residual of a chunk once and writes its k indices, without materialising the fp32 scores.
-
-``LIGHTNING_SCAPE_SELECT_KERNEL=stream`` makes both entry points launch the candidate selection kernel of
-``chunk_topk_stream.py`` instead (the same indices; docs/kernels.md says how it differs and how it is timed).
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -28,24 +24,6 @@ _STAT_SCORES = 0  # the input is already the score
 _STAT_MOMENTUM = 1  # |b1 * m + (1 - b1) * e|
 _STAT_GRADIENT = 2  # |e|
 _STATISTICS = {"momentum": _STAT_MOMENTUM, "gradient": _STAT_GRADIENT}
-
-# Which selection kernel the entry points launch, read at every call: unset or "prefilter", this module's
-# kernel (the default); "stream", the candidate in chunk_topk_stream.py. The candidate stays behind this flag
-# until a GPU timing (benchmarks/bench_kernels.py --select both) shows it faster: docs/kernels.md.
-SELECT_KERNEL_ENV = "LIGHTNING_SCAPE_SELECT_KERNEL"
-SELECT_KERNELS = ("prefilter", "stream")
-
-
-def selected_kernel() -> str:
-    """The selection kernel ``LIGHTNING_SCAPE_SELECT_KERNEL`` names: ``"prefilter"`` (unset) or ``"stream"``.
-
-    Raises:
-        ValueError: The variable holds another value (a typo must not silently time the default).
-    """
-    name = os.environ.get(SELECT_KERNEL_ENV) or "prefilter"
-    if name not in SELECT_KERNELS:
-        raise ValueError(f"{SELECT_KERNEL_ENV}={name!r}: choose one of {', '.join(SELECT_KERNELS)} (or unset it).")
-    return name
 
 
 def mask_scores_ref(momentum: Tensor, residual: Tensor, beta1: float, statistic: str) -> Tensor:
@@ -112,10 +90,6 @@ def chunk_topk(scores: Tensor, chunk_size: int, k: int, k_explore: int, explore_
     chunk size and dtype, :func:`chunk_topk_ref` otherwise; both return the same indices.
     """
     if use_triton(scores) and chunk_ok(chunk_size) and scores.is_floating_point():
-        if selected_kernel() == "stream":
-            from .chunk_topk_stream import chunk_topk_stream_triton  # on first use: that module imports this one
-
-            return chunk_topk_stream_triton(scores, chunk_size, k, k_explore, explore_offset)
         return chunk_topk_triton(scores, chunk_size, k, k_explore, explore_offset)
     return chunk_topk_ref(scores, chunk_size, k, k_explore, explore_offset)
 
@@ -177,12 +151,6 @@ def select_mask(
         and all(t.dtype == torch.float32 for t in inputs)
         and statistic in ("momentum", "gradient")
     ):
-        if selected_kernel() == "stream":
-            from .chunk_topk_stream import select_mask_stream_triton  # on first use: that module imports this one
-
-            return select_mask_stream_triton(
-                momentum, residual, beta1, statistic, chunk_size, k, k_explore, explore_offset
-            )
         return select_mask_triton(momentum, residual, beta1, statistic, chunk_size, k, k_explore, explore_offset)
     return select_mask_ref(momentum, residual, beta1, statistic, chunk_size, k, k_explore, explore_offset)
 
@@ -412,35 +380,6 @@ def _select_config(chunk_size: int, k: int, elem_bytes: int) -> _SelectConfig:
     return _SelectConfig(min(32, warps), True, vec, cap_groups, 16)
 
 
-def check_select(a: Tensor, b: Tensor, chunk_size: int, k: int, k_explore: int) -> int:
-    """Refuse what a selection kernel would index out of bounds (they check nothing themselves).
-
-    Args:
-        a: ``[rows * chunk_size]`` first input.
-        b: Same length, second input.
-        chunk_size: C.
-        k: Slots per chunk.
-        k_explore: Exploration slots per chunk.
-
-    Returns:
-        The number of chunks (rows).
-
-    Raises:
-        RuntimeError: triton is not installed.
-        ValueError: C is not a power of two <= 32768, the inputs are not whole chunks of one length, or k or
-            k_explore is out of range.
-    """
-    require_triton()
-    C = chunk_size
-    if not chunk_ok(C):
-        raise ValueError(f"chunk_size must be a power of two <= {MAX_CHUNK_SIZE}, got {C}")
-    if a.numel() % C != 0 or b.numel() != a.numel():
-        raise ValueError(f"inputs of {a.numel()} and {b.numel()} values are not whole chunks of {C}")
-    if not (1 <= k <= C and 0 <= k_explore <= k):
-        raise ValueError(f"need 1 <= k <= chunk_size and 0 <= k_explore <= k, got k={k}, k_explore={k_explore}")
-    return a.numel() // C
-
-
 def _launch_select(
     a: Tensor,
     b: Tensor,
@@ -466,8 +405,15 @@ def _launch_select(
     Returns:
         ``[rows, k]`` int16 ascending chunk-local indices.
     """
+    require_triton()
     C = chunk_size
-    rows = check_select(a, b, C, k, k_explore)
+    if not chunk_ok(C):
+        raise ValueError(f"chunk_size must be a power of two <= {MAX_CHUNK_SIZE}, got {C}")
+    if a.numel() % C != 0 or b.numel() != a.numel():
+        raise ValueError(f"inputs of {a.numel()} and {b.numel()} values are not whole chunks of {C}")
+    if not (1 <= k <= C and 0 <= k_explore <= k):
+        raise ValueError(f"need 1 <= k <= chunk_size and 0 <= k_explore <= k, got k={k}, k_explore={k_explore}")
+    rows = a.numel() // C
     out = torch.empty(rows, k, dtype=torch.int16, device=a.device)
     if rows == 0:
         return out

@@ -32,9 +32,7 @@ if "triton" not in sys.modules:
 pytest.importorskip("triton")
 
 import lightning_scape.kernels as K
-from benchmarks.bench_kernels import hard_scores
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine
-from lightning_scape.kernels import chunk_topk_stream as stream
 
 _REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = [n for n in K.__all__ if n.endswith("_triton") and n != "use_triton"]
@@ -345,106 +343,6 @@ def test_selection_where_the_group_prefilter_cannot_narrow_or_the_top_is_packed(
             e = torch.zeros_like(m)
             ref = K.select_mask_ref(m, e, 0.9, "momentum", C, k, ke, off)
             assert torch.equal(K.select_mask_triton(m, e, 0.9, "momentum", C, k, ke, off), ref)
-
-
-# ---------------------------------------------------------------- the candidate selection kernel (chunk_topk_stream)
-
-# (rows, chunk_size) where the candidate streams its own path (1024 <= C <= 8192); other sizes launch the current
-# kernel. More rows than the interpreter runs programs (INTERPRETED_PROGRAMS): a program walks several rows.
-STREAM_SHAPES = [(3, 1024), (3, 2048), (3, 4096), (3, 8192)]
-
-
-def _stream_equals_refs(s: torch.Tensor, chunk: int, k: int, ke: int, off: int) -> None:
-    """The candidate's chunk_topk on ``s`` and its select_mask on ``m = s`` (both statistics) equal the refs."""
-    got = stream.chunk_topk_stream_triton(s, chunk, k, ke, off)
-    assert torch.equal(got, K.chunk_topk_ref(s, chunk, k, ke, off)), (k, ke)
-    m = s.float()
-    for statistic, e in (("momentum", torch.zeros_like(m)), ("gradient", m)):
-        ref = K.select_mask_ref(m, e, 0.9, statistic, chunk, k, ke, off)
-        assert torch.equal(stream.select_mask_stream_triton(m, e, 0.9, statistic, chunk, k, ke, off), ref), statistic
-
-
-@pytest.mark.parametrize("density", [1e-3, 1e-2, 0.1])
-@pytest.mark.parametrize("shape", STREAM_SHAPES)
-def test_stream_selection_equals_ref_exactly(shape: tuple[int, int], density: float) -> None:
-    rows, C = shape
-    k = slots(density, C)
-    if density <= 0.01:  # the candidate's own path, not the current kernel's
-        assert stream._stream_config(C, k, 4) is not None and stream._stream_config(C, k, 2) is not None
-    gen = torch.Generator().manual_seed(7 * C + k)
-    data = [
-        torch.randn(rows * C, generator=gen),
-        torch.randint(-3, 4, (rows * C,), generator=gen).float(),  # ties everywhere
-        torch.randn(rows * C, generator=gen).bfloat16(),
-    ]
-    # No window, a 10% window, a window that takes every slot.
-    for s, ke in zip(data, (0, max(1, k // 10), k), strict=True):
-        off = int(torch.randint(0, 3 * C, (1,), generator=gen))
-        assert torch.equal(stream.chunk_topk_stream_triton(s, C, k, ke, off), K.chunk_topk_ref(s, C, k, ke, off))
-    m = torch.randn(rows * C, generator=gen) * 0.01
-    e = torch.randn(rows * C, generator=gen) * 0.01
-    ke, off = min(k, round(0.1 * k)), C - 1  # a window that wraps around the chunk's end
-    for statistic in ("momentum", "gradient"):
-        ref = K.select_mask_ref(m, e, 0.9, statistic, C, k, ke, off)
-        assert torch.equal(stream.select_mask_stream_triton(m, e, 0.9, statistic, C, k, ke, off), ref)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_stream_selection_where_the_prefilter_cannot_narrow_or_the_top_is_packed(dtype: torch.dtype) -> None:
-    # C = 1024 (two tiles, k = 10, at most 32 candidate groups): the paths of C = 4096 in a quarter of the time.
-    rows, C, k = 3, 1024, 10
-    assert stream._stream_config(C, k, dtype.itemsize) is not None
-    gen = torch.Generator().manual_seed(13)
-    # hard_scores: every key tied; one 16-bit bin; the top packed in few groups; too many groups and the top packed.
-    for (name, s), (ke, off) in zip(hard_scores(rows, C, k, gen).items(), ((0, 0), (1, 1023), (3, 5), (0, 0)),
-                                    strict=True):  # fmt: skip
-        try:
-            _stream_equals_refs(s.to(dtype), C, k, ke, off)
-        except AssertionError as err:
-            raise AssertionError(f"{name}: {err}") from err
-
-
-def test_stream_selection_ranks_nan_inf_and_signed_zero_like_the_ref() -> None:
-    special = torch.tensor(
-        [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.0]
-    )
-    gen = torch.Generator().manual_seed(17)
-    C = 1024
-    for _ in range(4):
-        s = special[torch.randint(0, len(special), (3 * C,), generator=gen)]
-        s[torch.randint(0, 3 * C, (40,), generator=gen)] = torch.randn(40, generator=gen)  # a few distinct values
-        k = int(torch.randint(1, 120, (1,), generator=gen))
-        ke = int(torch.randint(0, k + 1, (1,), generator=gen))
-        off = int(torch.randint(0, C, (1,), generator=gen))
-        got = stream.chunk_topk_stream_triton(s, C, k, ke, off)
-        assert torch.equal(got, K.chunk_topk_ref(s, C, k, ke, off)), (k, ke, off)
-
-
-def test_select_kernel_flag_picks_the_candidate_and_refuses_unknown_names(
-    force_triton: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls: list[str] = []
-    for name in ("chunk_topk_stream_triton", "select_mask_stream_triton"):
-        launcher = getattr(stream, name)
-
-        def spy(*args: Any, _f: Callable[..., Any] = launcher, _n: str = name) -> Any:
-            calls.append(_n)
-            return _f(*args)
-
-        monkeypatch.setattr(stream, name, spy)  # the entry points import the launcher from its module per call
-    gen = torch.Generator().manual_seed(19)
-    m, e = torch.randn(3 * 1024, generator=gen), torch.randn(3 * 1024, generator=gen)
-    monkeypatch.setenv("LIGHTNING_SCAPE_SELECT_KERNEL", "stream")
-    assert torch.equal(K.chunk_topk(m, 1024, 10, 1, 3), K.chunk_topk_ref(m, 1024, 10, 1, 3))
-    assert torch.equal(K.select_mask(m, e, 0.9, "momentum", 1024, 10, 1, 3), K.select_mask_ref(m, e, 0.9, "momentum",
-                                                                                          1024, 10, 1, 3))  # fmt: skip
-    assert calls == ["chunk_topk_stream_triton", "select_mask_stream_triton"]
-    monkeypatch.setenv("LIGHTNING_SCAPE_SELECT_KERNEL", "prefilter")  # the default, by name
-    K.chunk_topk(m, 1024, 10, 1, 3)
-    assert len(calls) == 2
-    monkeypatch.setenv("LIGHTNING_SCAPE_SELECT_KERNEL", "radix")
-    with pytest.raises(ValueError, match="LIGHTNING_SCAPE_SELECT_KERNEL='radix': choose one of prefilter, stream"):
-        K.chunk_topk(m, 1024, 10, 1, 3)
 
 
 # ---------------------------------------------------------------- int8 rounding
