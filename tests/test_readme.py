@@ -1,18 +1,24 @@
-"""README.md's test command is what .ci/run runs, and its set-up commands install the torch that CI tests.
+"""README.md's test command is what .ci/run runs, its set-up commands install the torch that CI tests, and its
+usage lines are the package's API.
 
 The test command is the ```bash block right after the line that names `.ci/run` (wherever it stands in the
-README, whatever it runs).
+README, whatever it runs). The usage lines are the README's first ```python block: the Trainer, Fabric and the
+FSDP form, built as written (nothing is launched).
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
+
+from helpers import PYTHON, child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"
 BASH_BLOCK = re.compile(r"^```bash\n(.*?)\n```$", re.M | re.S)
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)\n```$", re.M | re.S)
 TORCH_PIN = re.compile(r"\btorch==([\w.+]+)")
 
 
@@ -46,3 +52,22 @@ def test_readme_setup_commands_install_the_torch_ci_tests() -> None:
     assert installs
     for cmd in installs:
         assert set(TORCH_PIN.findall(cmd)) == ci_pins, cmd
+
+
+def test_the_readme_usage_lines_build_what_they_say(tmp_path: Path) -> None:
+    usage = PYTHON_BLOCK.search(README.read_text())
+    assert usage is not None, "README.md: no ```python block"
+    for form in ('Trainer(strategy="scape"', "Fabric(strategy=lightning_scape.ScapeStrategy(", "ScapeFSDPStrategy("):
+        assert form in usage.group(1), f"README.md's first python block lacks {form}"
+    check = (
+        "\nfrom lightning_scape.fabric import ScapeFSDPStrategy as FSDPForm, ScapeStrategy as FabricForm\n"
+        "from lightning_scape.pytorch import ScapeStrategy as TrainerForm\n"
+        "assert isinstance(trainer.strategy, TrainerForm), type(trainer.strategy)\n"
+        "assert type(fabric.strategy) in (FabricForm, FSDPForm), type(fabric.strategy)\n"
+        "print('built')\n"
+    )
+    script = tmp_path / "usage.py"
+    script.write_text(usage.group(1) + check)
+    # A fresh interpreter: `import lightning_scape` in the block must be what registers "scape".
+    proc = subprocess.run([PYTHON, str(script)], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "built" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
