@@ -194,3 +194,42 @@ def test_a_failing_process_does_not_wait_at_exit(mode: str) -> None:
     if mode == "fail":
         assert rank0.returncode == 1 and "ValueError: the training loop failed" in stderr, stderr[-3000:]
     assert held.startswith("held at exit:") and held.rstrip().endswith("groups left: True"), (held, stderr[-3000:])
+
+
+# Rank 1 dies before it launches the all-gather rank 0 waits on, under a timeout of 10 minutes.
+_PEER_DIES = (
+    COMM_ONLY
+    + """
+import os
+from datetime import timedelta
+import torch, torch.distributed as dist
+from lightning_scape.comm import ProcessGroupCommunicator
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(hours=1))
+dist.barrier()
+if rank == 1:
+    os._exit(3)
+try:
+    ProcessGroupCommunicator(timeout_s=600).all_gather(torch.zeros(2000), torch.ones(1000)).wait()
+except RuntimeError as exc:
+    print(str(exc).splitlines()[0], flush=True)
+    os._exit(0)
+"""
+)
+
+
+def test_a_peer_that_dies_is_reported_with_the_time_waited_not_the_timeout() -> None:
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [
+        subprocess.Popen([PYTHON, "-c", _PEER_DIES, str(rank)], env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)  # fmt: skip
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=HANG_S) for p in procs]
+    assert procs[1].returncode == 3
+    stdout, stderr = outs[0]
+    assert procs[0].returncode == 0, stderr[-3000:]
+    # gloo reports the closed connection long before the 600 s timeout: the message says it failed, and after
+    # how long, and names the timeout as a bound (not as the time it took).
+    assert "SCAPE collective all_gather" in stdout and " failed after " in stdout, stdout
+    assert "s of waiting (the timeout is 600 s)" in stdout and "timed out" not in stdout, stdout

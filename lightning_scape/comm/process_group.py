@@ -37,21 +37,30 @@ class _TorchWork:
     def wait(self) -> None:
         if not self._works:
             return
-        deadline = time.monotonic() + self._timeout_s
+        start = time.monotonic()
+        deadline = start + self._timeout_s
         try:
             for work in self._works:  # in launch order, each within what is left of the one timeout
                 if work is not None:
                     work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as exc:
             IN_FLIGHT.failed = True
+            ended = _how_it_ended(time.monotonic() - start, self._timeout_s)
             raise RuntimeError(
-                f"SCAPE collective {self._name} on {self._group_desc} failed or timed out after "
-                f"{self._timeout_s:.0f}s: another rank probably died or stopped calling the same "
-                f"collectives. Underlying error: {exc}"
+                f"SCAPE collective {self._name} on {self._group_desc} {ended}: another rank probably died or "
+                f"stopped calling the same collectives. Underlying error: {exc}"
             ) from exc
         finally:
             IN_FLIGHT.discard(self)
         self._works = []
+
+
+def _how_it_ended(waited_s: float, timeout_s: float) -> str:
+    """ "timed out after ..." when the wait used up the timeout, else "failed after ..." with the time waited (a
+    peer's death is usually reported within seconds; the timeout is the bound, not what happened)."""
+    if waited_s >= 0.99 * timeout_s:
+        return f"timed out after {waited_s:.0f} s (the collective timeout)"
+    return f"failed after {waited_s:.1f} s of waiting (the timeout is {timeout_s:.0f} s)"
 
 
 class _InFlight:
