@@ -221,8 +221,9 @@ except RuntimeError as exc:
 def test_a_peer_that_dies_is_reported_with_the_time_waited_not_the_timeout() -> None:
     env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [
-        subprocess.Popen([PYTHON, "-c", _PEER_DIES, str(rank)], env=env, text=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)  # fmt: skip
+        subprocess.Popen(
+            [PYTHON, "-c", _PEER_DIES, str(rank)], env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         for rank in range(2)
     ]
     outs = [p.communicate(timeout=HANG_S) for p in procs]
