@@ -299,35 +299,49 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
     del prob
 
     # The whole sparse step against fused AdamW (and the dense AdamS kernel of the warm-up steps).
-    step_rows: list[Row] = []
+    all_steps: list[Row] = []
     for size in args.sizes if cuda else [1 << 16]:
-        n = int(size)
-        bp = torch.empty(0, dtype=dtype).element_size()
-        need = n * (2 * bp + 12) * 1.05  # params, grads, residual, momentum, last_sent (+ the slots)
-        if cuda and free_bytes() < need:
-            print(f"\nskipping N={n:,}: needs about {need / 2**30:.1f} GiB, {free_bytes() / 2**30:.1f} GiB free")
-            continue
-        prob = Problem(n, args.chunk_size, args.density, args.exploration, dtype, device)
-        scape = Row("SCAPE sparse step", prob.N, prob.path(), timer(prob.sparse_step, iters, warmup), 0)
-        scape.bytes_moved = prob.bytes("sparse_step")
-        dense = Row("dense AdamS (dense_adams)", prob.N, prob.path(), timer(prob.dense_adams, iters, warmup), 0)
-        dense.bytes_moved = prob.bytes("dense_adams")
-        adamw_bytes = prob.bytes("adamw_fused")
-        del prob
-        step, keep = adamw_fused(n, dtype, device)
-        label = "torch AdamW(fused=True)" if cuda else "torch AdamW (CPU, not fused)"
-        adamw = Row(label, n, "torch", timer(step, iters, warmup), adamw_bytes)
-        del step, keep
-        step_rows += [scape, dense, adamw]
-        if cuda:
-            print(f"\nN={n:,}: SCAPE sparse step / fused AdamW step = {scape.median_ms / adamw.median_ms:.3f}")
-    if step_rows:
+        rows = step_rows(int(size), args, device)
+        all_steps += rows
+        if cuda and rows:
+            ratio = rows[0].median_ms / rows[-1].median_ms
+            print(f"\nN={rows[0].numel:,}: SCAPE sparse step / fused AdamW step = {ratio:.3f}")
+    if all_steps:
         title = f"optimizer step at d={args.density}"
         if not cuda:
             title = "CPU smoke run (tiny size): NOT a measurement; " + title
-        print_rows(title, step_rows, peak, bandwidth=cuda)
-    results["steps"] = [asdict(r) | {"gbps": r.gbps} for r in step_rows]
+        print_rows(title, all_steps, peak, bandwidth=cuda)
+    results["steps"] = [asdict(r) | {"gbps": r.gbps} for r in all_steps]
     return results
+
+
+def step_rows(n: int, args: argparse.Namespace, device: str) -> list[Row]:
+    """The SCAPE sparse step, the dense AdamS kernel and fused AdamW on ``n`` parameters, timed on ``device``.
+
+    ``args`` as :func:`build_parser` reads them (dtype, density, chunk size, exploration, iterations). Returns
+    the three rows, the sparse step first and AdamW last; none when the GPU lacks the memory (said so).
+    """
+    cuda = device == "cuda"
+    dtype = DTYPES[args.dtype]
+    timer = time_cuda if cuda else time_cpu
+    iters, warmup = (args.iters, args.warmup) if cuda else (min(args.iters, 3), min(args.warmup, 1))
+    bp = torch.empty(0, dtype=dtype).element_size()
+    need = n * (2 * bp + 12) * 1.05  # params, grads, residual, momentum, last_sent (+ the slots)
+    if cuda and free_bytes() < need:
+        print(f"\nskipping N={n:,}: needs about {need / 2**30:.1f} GiB, {free_bytes() / 2**30:.1f} GiB free")
+        return []
+    prob = Problem(n, args.chunk_size, args.density, args.exploration, dtype, device)
+    scape = Row("SCAPE sparse step", prob.N, prob.path(), timer(prob.sparse_step, iters, warmup), 0)
+    scape.bytes_moved = prob.bytes("sparse_step")
+    dense = Row("dense AdamS (dense_adams)", prob.N, prob.path(), timer(prob.dense_adams, iters, warmup), 0)
+    dense.bytes_moved = prob.bytes("dense_adams")
+    adamw_bytes = prob.bytes("adamw_fused")
+    del prob
+    step, keep = adamw_fused(n, dtype, device)
+    label = "torch AdamW(fused=True)" if cuda else "torch AdamW (CPU, not fused)"
+    adamw = Row(label, n, "torch", timer(step, iters, warmup), adamw_bytes)
+    del step, keep
+    return [scape, dense, adamw]
 
 
 # (chunk size, density, rows) of the problems check() runs: tiny to the largest chunks, odd row counts.
