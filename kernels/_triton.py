@@ -70,6 +70,18 @@ def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def slot_block(k: int) -> int:
+    """Slots per pass of the per-chunk kernels (``ef_compact``, ``scatter_decay``): k rounded up to a power of two,
+    between 256 and 1024.
+
+    A pass holds at least 256 slots, one per thread of a program of 8 warps: a smaller block would not take fewer
+    instructions, and every k up to 256 (every density below 1/16 at C = 4096) then shares one compiled
+    variant, so the density ramp compiles three rather than one per power of two (docs/kernels.md, "Compile
+    time"). Which slots a pass holds changes nothing in the result: each slot is its own coordinate.
+    """
+    return min(1024, max(256, 1 << (max(k, 1) - 1).bit_length()))
+
+
 def chunk_ok(chunk_size: int) -> bool:
     """Whether the chunked kernels take ``chunk_size``: a power of two (``tl.arange``) <= ``MAX_CHUNK_SIZE``."""
     return is_pow2(chunk_size) and chunk_size <= MAX_CHUNK_SIZE

@@ -283,7 +283,10 @@ if HAS_TRITON:
         ckey = tl.where(valid, _score_keys(cs, cidx, k_explore, offset, C, STAT == 0), -2147483648)
         _store_top(ckey, cidx, _kth_key_above(ckey, k, lo), k, out_row)
 
-    @triton.jit
+    # k, k_explore and the window's offset are not specialized (docs/kernels.md, "Compile time"): they only enter
+    # comparisons and the row's output address, whose stores are scattered; specialized, the density ramp would
+    # compile this kernel (the largest, about 2 s) for every combination of their classes.
+    @triton.jit(do_not_specialize=["k", "k_explore", "offset"])
     def _select_kernel(
         a_ptr: tl.tensor,
         b_ptr: tl.tensor,

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ._positions import mask_positions
 from ._signature import signature_of
-from ._triton import HAS_TRITON, cast_rne, chunk_ok, require_triton, tl, triton, use_triton
+from ._triton import HAS_TRITON, cast_rne, chunk_ok, require_triton, slot_block, tl, triton, use_triton
 
 # Residual dtypes the kernel takes: it only adds and casts, so it is exact in fp64 too.
 _STATE_FLOATS = (torch.float32, torch.float64)
@@ -58,8 +58,10 @@ def ef_compact(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: int, ou
 
 
 if HAS_TRITON:
-
-    @triton.jit
+    # k is not specialized (docs/kernels.md, "Compile time"): the density ramp's k would compile a variant for
+    # each of Triton's classes of an int (1, divisible by 16, other), and it only addresses the slots (k indices
+    # and k values per chunk, a small part of the bytes; the residual's are gathered anyway).
+    @triton.jit(do_not_specialize=["k"])
     def _ef_compact_kernel(
         res_ptr: tl.tensor,
         grad_ptr: tl.tensor,
@@ -118,7 +120,7 @@ def ef_compact_triton(residual: Tensor, grad: Tensor, mask: Tensor, chunk_size: 
         k,
         C=chunk_size,
         BLOCK=block,
-        SLOT_BLOCK=min(triton.next_power_of_2(k), 1024),
+        SLOT_BLOCK=slot_block(k),
         num_warps=4 if block <= 1024 else 8,
         # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
         enable_fp_fusion=False,

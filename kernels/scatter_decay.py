@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ._positions import mask_positions
 from ._signature import signature_of
-from ._triton import HAS_TRITON, LOW_FLOATS, cast_rne, chunk_ok, require_triton, tl, triton, use_triton
+from ._triton import HAS_TRITON, LOW_FLOATS, cast_rne, chunk_ok, require_triton, slot_block, tl, triton, use_triton
 
 
 def scatter_decay_ref(params: Tensor, values: Tensor, mask: Tensor, chunk_size: int, decay: float) -> None:
@@ -47,8 +47,8 @@ def scatter_decay(params: Tensor, values: Tensor, mask: Tensor, chunk_size: int,
 
 
 if HAS_TRITON:
-
-    @triton.jit
+    # k is not specialized, as in ef_compact (docs/kernels.md, "Compile time").
+    @triton.jit(do_not_specialize=["k"])
     def _scatter_decay_kernel(
         p_ptr: tl.tensor,
         v_ptr: tl.tensor,
@@ -114,7 +114,7 @@ def scatter_decay_triton(params: Tensor, values: Tensor, mask: Tensor, chunk_siz
         float(decay),
         C=chunk_size,
         BLOCK=block,
-        SLOT_BLOCK=min(triton.next_power_of_2(max(k, 1)), 1024),
+        SLOT_BLOCK=slot_block(k),
         DECAY=decay != 1.0,
         num_warps=4 if block <= 1024 else 8,
         # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).

@@ -147,8 +147,11 @@ def _interval_update(m_prev: Tensor, g: Tensor, tau: Tensor, h: AdamSHyper) -> t
 
 
 if HAS_TRITON:
-
-    @triton.jit
+    # Not specialized (docs/kernels.md, "Compile time"): the step (it changes every step), and what the density
+    # ramp changes, k, the slot count and the address of the region's mask rows (which moves with k). They only
+    # address the slots: k divides, the slot count bounds the contiguous accesses (2 + 2 b_p bytes a slot, loaded
+    # unvectorized, still coalesced), and the state is gathered anyway.
+    @triton.jit(do_not_specialize=["mask_ptr", "n_slots", "k", "step"])
     def _sparse_adams_kernel(
         param_ptr: tl.tensor,
         mom_ptr: tl.tensor,
