@@ -470,9 +470,9 @@ def throughput(record: dict[str, Any], size: Size) -> dict[str, float | None]:
 def warm_kernels(method: str, steps: int, shared: Shared) -> float:
     """Step a throwaway engine of ``method`` through its dense steps and density ramp, without forward or backward.
 
-    Every Triton kernel variant the run will launch (one per power of two of the slots per chunk, for the ramp's
-    densities) is compiled here, before the step is probed and the run is timed; on the references (CPU) this
-    only runs the schedule. Returns the seconds it took.
+    Every Triton kernel variant the run will launch (the few the ramp's slot counts need: docs/kernels.md, "Compile
+    time") is compiled here, before the step is probed and the run is timed; on the references (CPU) this only
+    runs the schedule. Returns the seconds it took (``python -m benchmarks.compile_time`` times it alone).
     """
     cfg = method_config(method, steps)
     device = shared.device
