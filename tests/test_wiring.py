@@ -23,6 +23,7 @@ from lightning_scape import AdamS, ScapeConfig, ScapeEngine, ScapeOptimizer, sim
 from lightning_scape.comm import Communicator
 from lightning_scape.config import OPTION_NAMES, ScapeOptions
 from lightning_scape.wiring import checkpoint_protocol, engine_setup, warmup_notice
+from lightning_scape.wiring.lr_notices import CONSTANT_LR_STEPS, ConvertedLrNotices
 from lightning_scape.wiring.optimizer import to_adams
 
 CFG = ScapeConfig(**SCAPE)
@@ -469,3 +470,31 @@ def test_an_adams_subclass_without_its_own_step_is_accepted_whatever_torch_wrapp
             return super().step(closure)
 
     assert _overrides_step(OwnStep)
+
+
+def test_a_converted_lr_that_never_changes_is_told_once_after_the_dense_steps_and_ramp() -> None:
+    def told(notices: ConvertedLrNotices, lrs: list[list[float]]) -> list[int]:
+        steps = []
+        for step, group_lrs in enumerate(lrs):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                notices.before_step([{"lr": lr} for lr in group_lrs])
+            steps += [step for w in caught if "has not changed in" in str(w.message)]
+        return steps
+
+    n = CONSTANT_LR_STEPS
+    # Constant: told once, at the step after CONSTANT_LR_STEPS unchanged ones, naming the schedule to use.
+    assert told(ConvertedLrNotices("AdamW", converted=True), [[1e-3, 1e-4]] * (n + 50)) == [n]
+    # A scheduler's warm-up or decay, however late, changes it: nothing to say.
+    assert told(ConvertedLrNotices("AdamW", converted=True), [[1e-3]] * (n - 1) + [[9e-4]] * 60) == []
+    # A param group added starts the count again (its rate is new).
+    assert told(ConvertedLrNotices("Adam", converted=True), [[1e-3]] * 100 + [[1e-3, 1e-3]] * (n + 1)) == [n + 100]
+    # The AdamS the user chose is stepped as chosen.
+    assert told(ConvertedLrNotices("AdamS", converted=False), [[1e-3]] * (n + 50)) == []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        told_once = ConvertedLrNotices("AdamW", converted=True)
+        for _ in range(n + 1):
+            told_once.before_step([{"lr": 1e-3}])
+    (message,) = [str(w.message) for w in caught]
+    assert "CosineAnnealingLR" in message and "AdamW converted to AdamS" in message

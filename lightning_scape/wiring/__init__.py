@@ -4,6 +4,7 @@ One module per concern, each used by both adapters (:mod:`lightning_scape.fabric
 
 * :mod:`~lightning_scape.wiring.options`: the SCAPE options a strategy accepts and the process-group timeout;
 * :mod:`~lightning_scape.wiring.optimizer`: AdamW/Adam to AdamS, and the :class:`ScapeOptimizer` handed back;
+* :mod:`~lightning_scape.wiring.lr_notices`: what a converted optimizer is told about its learning rate;
 * :mod:`~lightning_scape.wiring.engine_setup`: rank 0's weights everywhere, the engine, its log line;
 * :mod:`~lightning_scape.wiring.loss_scaling`: fp16 loss scaling;
 * :mod:`~lightning_scape.wiring.warmup_notice`: :class:`DenseWarmupWarning`, a schedule that does not fit the run;

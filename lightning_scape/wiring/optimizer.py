@@ -20,11 +20,9 @@ from torch.optim import Optimizer
 from lightning_scape.adams import AdamS
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.wiring.local_grads import GRADS_WRITTEN_AFTER_SEND
+from lightning_scape.wiring.lr_notices import ConvertedLrNotices
 
 _CONVERTIBLE = (torch.optim.AdamW, torch.optim.Adam)
-# The highest learning rate at which a converted AdamW matched or beat AdamW on every model measured
-# (docs/algorithm.md section 2); above it, ScapeOptimizer.step warns once.
-CONVERTED_LR_CEILING = 1e-3
 
 
 def to_adams(optimizer: Optimizer) -> AdamS:
@@ -163,7 +161,8 @@ class ScapeOptimizer(Optimizer):
         self.engine = engine
         self._request = _StepRequest()
         self._told_grads_written = False
-        self._told_lr = self.source is adams  # the AdamS the user chose is stepped as chosen
+        # The AdamS the user chose is stepped as chosen; a converted AdamW or Adam is told about its learning rate.
+        self._lr_notices = ConvertedLrNotices(type(self.source).__name__, converted=self.source is not adams)
 
     @property
     def optimizer(self) -> Optimizer:
@@ -196,8 +195,7 @@ class ScapeOptimizer(Optimizer):
         req = self._request
         max_norm, clip_value = req.max_norm, req.clip_value
         req.max_norm = req.clip_value = None
-        if not self._told_lr:
-            self._warn_above_lr_ceiling()
+        self._lr_notices.before_step(self.param_groups)
         self.engine.step(max_grad_norm=max_norm, clip_value=clip_value)
         if self.engine.grads_written_after_send and not self._told_grads_written:
             self._told_grads_written = True
@@ -205,23 +203,6 @@ class ScapeOptimizer(Optimizer):
         for opt in {id(self.source): self.source, id(self.adams): self.adams}.values():
             setattr(opt, "_opt_called", True)  # noqa: B010  (LR schedulers check that step ran)
         return loss
-
-    def _warn_above_lr_ceiling(self) -> None:
-        """Once, before the first step of a converted optimizer whose learning rate exceeds
-        :data:`CONVERTED_LR_CEILING` (an LR scheduler's warm-up may get there later: checked every step until then)."""
-        lr, i = max((g["lr"], i) for i, g in enumerate(self.param_groups))
-        if lr <= CONVERTED_LR_CEILING:
-            return
-        self._told_lr = True
-        name = type(self.source).__name__
-        rank_zero_warn(
-            f"lightning_scape: lr={lr:g} (param group {i}) is above {CONVERTED_LR_CEILING:g}, the highest learning "
-            f"rate at which the {name} that SCAPE converted to AdamS trained as well as under DDP on every model "
-            f"measured. AdamS moves each coordinate by about lr per step even where its gradient is mostly noise, "
-            f"where {name}'s steps shrink, so it steps further at the same lr: at 3e-3 those models ended 15-50% "
-            f"worse than with {name}, and a CNN did not train without a learning-rate warm-up (docs/algorithm.md "
-            f"section 2). Use lr={CONVERTED_LR_CEILING:g} (or about half the lr tuned for {name}) and a warm-up."
-        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (they stay views into the engine's buffers; ``set_to_none`` is moot).
