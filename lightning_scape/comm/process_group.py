@@ -56,8 +56,8 @@ class _TorchWork:
 
 
 def _how_it_ended(waited_s: float, timeout_s: float) -> str:
-    """ "timed out after ..." when the wait used up the timeout, else "failed after ..." with the time waited (a
-    peer's death is usually reported within seconds; the timeout is the bound, not what happened)."""
+    """How the wait ended, in words: it timed out (used up the timeout), or it failed after the time waited (a peer's
+    death is usually reported within seconds; the timeout is the bound, not what happened)."""
     if waited_s >= 0.99 * timeout_s:
         return f"timed out after {waited_s:.0f} s (the collective timeout)"
     return f"failed after {waited_s:.1f} s of waiting (the timeout is {timeout_s:.0f} s)"

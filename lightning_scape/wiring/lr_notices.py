@@ -79,5 +79,6 @@ class ConvertedLrNotices:
             f"shrink: at a constant rate a small CNN and an MLP ended up to 27% and 52% above {name}'s loss after "
             f"600 steps, while with a decaying rate every model measured ended at or below it (docs/benchmarks.md, "
             f"'AdamW converted to AdamS'). Decay the learning rate towards the end of training (e.g. "
-            f"torch.optim.lr_scheduler.CosineAnnealingLR), or lower it."
+            f"torch.optim.lr_scheduler.CosineAnnealingLR), or lower it; a scheduler that lowers it later (once an "
+            f"epoch, say) already does."
         )
