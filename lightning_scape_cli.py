@@ -40,8 +40,8 @@ that logs CommunicationMonitor.compute(), or lightning-scape pretrain (OUT_DIR/l
 """
 
 DEMO_DESCRIPTION = """\
-DDP + AdamS against SCAPE on real text, on 2 CPU processes of this machine (gloo): under 2.5 minutes on a
-quiet 2-core machine, about twice that on a busy one.
+DDP + AdamS against SCAPE on real text, on 2 CPU processes of this machine (gloo): about 75 s on a quiet
+2-core machine, about twice that on a busy one.
 
 A small litgpt GPT (0.86M parameters, byte tokens) trains twice through Lightning Fabric with the same seed,
 data order and learning-rate schedule: once as DDP + AdamS (every fp32 gradient all-reduced, what DDP sends,
