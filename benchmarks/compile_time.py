@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from benchmarks.cpu_fallback import cpu_fallback
+
 # A launch's key: per kernel argument (type, specialization), then the launch options, sorted.
 Key = tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]
 METHODS = ("scape_default", "scape_int8_d0.025")  # the SCAPE methods of benchmarks.scale
@@ -396,17 +398,12 @@ def compile_passes(methods: list[str], shared: Any, steps: int) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    exit_status = cpu_fallback(args.tiny, interpret_kernels=True)
+    if exit_status is not None:
+        return exit_status
     cuda = torch.cuda.is_available()
-    if not cuda and not args.tiny:
-        print("No CUDA GPU (torch.cuda.is_available() is False): nothing to measure. --tiny runs this command's code "
-              "path on the CPU, with the kernels in Triton's interpreter.")  # fmt: skip
-        return 0
     if not cuda:
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            print("triton was imported before TRITON_INTERPRET=1 could be set; run this command in a fresh process")
-            return 2
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before their first import
-        os.environ["LIGHTNING_SCAPE_FORCE_TRITON"] = "1"
+        os.environ["LIGHTNING_SCAPE_FORCE_TRITON"] = "1"  # the interpreted kernels, not the CPU's references
     methods = [m for m in args.methods.split(",") if m]
     if not methods or any(m not in METHODS for m in methods):
         raise SystemExit(f"--methods must be taken from {list(METHODS)}; got {methods}")

@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.cpu_fallback import cpu_fallback
+
 # The training runs' losses agree when, step by step, they differ by at most this fraction of the loss, and
 # their final losses (the mean of the last tenth of the steps) by at most FINAL_RTOL. The kernels round the
 # AdamS arithmetic as IEEE does (PyTorch's CPU sqrt does not), and the last bits grow over a run.
@@ -341,16 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-budget-s", type=float, default=TOTAL_BUDGET_S,
                     help="seconds for this check and the scale run together (default 780)")  # fmt: skip
     args = ap.parse_args(argv)
+    exit_status = cpu_fallback(args.tiny, interpret_kernels=True)
+    if exit_status is not None:
+        return exit_status
     cuda = torch.cuda.is_available()
-    if not cuda and not args.tiny:
-        print("No CUDA GPU (torch.cuda.is_available() is False): nothing to measure. --tiny runs this script's code "
-              "path on the CPU, with the kernels in Triton's interpreter.")  # fmt: skip
-        return 0
-    if not cuda:
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            print("triton was imported before TRITON_INTERPRET=1 could be set; run this script in a fresh process")
-            return 2
-        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: before their first import
     import triton
 
     from benchmarks import bench_kernels

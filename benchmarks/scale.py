@@ -65,6 +65,7 @@ import torch
 from torch import Tensor
 
 from benchmarks import reporting
+from benchmarks.cpu_fallback import cpu_fallback
 from benchmarks.quality import CLIP, scape_config
 from lightning_scape import ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
@@ -822,11 +823,10 @@ def device_info(device: torch.device) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter() - (reporting.process_age_s() if argv is None else 0.0)  # None: a command
     args = build_parser().parse_args(argv)
+    exit_status = cpu_fallback(args.tiny, interpret_kernels=False)
+    if exit_status is not None:
+        return exit_status
     cuda = torch.cuda.is_available()
-    if not cuda and not args.tiny:
-        print("No CUDA GPU (torch.cuda.is_available() is False): nothing to measure. --tiny runs this command's code "
-              "path on the CPU.")  # fmt: skip
-        return 0
     size = resolve_size(args)
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
