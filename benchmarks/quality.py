@@ -37,7 +37,6 @@ import csv
 import json
 import os
 import statistics
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -170,17 +169,11 @@ def eval_every(steps: int) -> int:
     return 10 if steps <= 300 else 50 if steps <= 1000 else 100
 
 
-# build_model seeds torch's global generator, which the simulated ranks (threads) share: build one model
-# at a time, or each rank draws an interleaved part of the stream and the replicas start different.
-_INIT_LOCK = threading.Lock()
-
-
 def train(rank: int, comm: Communicator, run: Run, tokens: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
     """One simulated rank's run; every rank returns its losses, rank 0's record holds the curves."""
     torch.set_num_threads(1)
     train_tokens, val_tokens = tokens
-    with _INIT_LOCK:
-        model = build_model(BLOCK, preset=run.model, seed=run.seed)
+    model = build_model(BLOCK, preset=run.model, seed=run.seed)
     opt = adams_optimizer(model, PEAK_LR)
     config = scape_config(run.config)
     engine = ScapeEngine(opt, config, comm, list(model.parameters()))

@@ -79,6 +79,29 @@ def test_same_seed_same_weights_other_seed_other_weights() -> None:
     assert not all(torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters(), strict=True))
 
 
+def build_at_once(ranks: int) -> list[torch.nn.Module]:
+    """``ranks`` threads released together, each building the tiny model from seed 0."""
+    start, models = threading.Barrier(ranks), [torch.nn.Module()] * ranks
+
+    def build(rank: int) -> None:
+        start.wait()
+        models[rank] = build_model(64, preset="tiny", seed=0)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return models
+
+
+def test_simulated_ranks_building_at_once_get_the_same_weights() -> None:
+    # Threads share torch's global generator: unguarded, four builders at once interleave its draws (every try).
+    for _ in range(3):
+        first, *others = (list(m.parameters()) for m in build_at_once(4))
+        assert first and all(torch.equal(a, b) for o in others for a, b in zip(first, o, strict=True))
+
+
 def test_unknown_preset_names_the_choices() -> None:
     with pytest.raises(ValueError, match=r"unknown model preset 'huge'; choose one of \['tiny', 'small', 'base'\]"):
         build_model(32, preset="huge")

@@ -35,6 +35,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -72,6 +73,11 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 # ------------------------------------------------------------------------------------------------ the model
 
 
+# The seed goes into torch's global generator, which threads share: simulated ranks that build at once would each
+# draw an interleaved part of one stream and start from different weights.
+_INIT_LOCK = threading.Lock()
+
+
 def build_model(
     block_size: int, vocab_size: int = BYTE_VOCAB_SIZE, preset: str = "small", seed: int = 0
 ) -> torch.nn.Module:
@@ -81,7 +87,8 @@ def build_model(
         block_size: The longest sequence the model sees.
         vocab_size: Token ids are below this (256 for bytes; the BPE vocabulary size otherwise).
         preset: A key of :data:`MODEL_PRESETS`: ``"tiny"``, ``"small"`` (the demo's) or ``"base"``.
-        seed: The initialisation seed: every rank that builds from the same seed gets the same model.
+        seed: The initialisation seed: every rank that builds from the same seed gets the same model, the
+            simulated ranks of :func:`~lightning_scape.simulate` (threads) included.
 
     Returns:
         The model, initialised after ``torch.manual_seed(seed)`` (which also reseeds torch's global generator).
@@ -105,8 +112,9 @@ def build_model(
         mlp_class_name="LLaMAMLP",
         **MODEL_PRESETS[preset],
     )
-    torch.manual_seed(seed)
-    return GPT(cfg)
+    with _INIT_LOCK:
+        torch.manual_seed(seed)
+        return GPT(cfg)
 
 
 def weight_decay_groups(model: torch.nn.Module) -> list[dict[str, Any]]:

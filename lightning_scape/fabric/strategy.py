@@ -319,9 +319,11 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Remove the engines' hooks (without waiting on collectives when a rank failed), stop the heartbeat."""
-        self._note_end_of_run()
+        """Remove the engines' hooks (without waiting on collectives when a rank failed), stop the heartbeat, log the
+        run's summary."""
+        # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
         engine_setup.close_engines(self._scape_optimizers, wait=not self._failed)
+        self._note_end_of_run()
         super().teardown()
 
     def warn_if_all_dense(self, planned_steps: float | None, syntax: warmup_notice.Syntax = "python") -> None:

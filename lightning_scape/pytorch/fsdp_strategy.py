@@ -257,11 +257,12 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        """Log the fit's summary, remove the engines' and the bindings' hooks and the clipping redirect."""
-        if not self._failed:
-            self._log_run_summary()
+        """Remove the engines' hooks (without waiting on collectives after a failure), log the fit's summary, remove
+        the bindings' hooks and the clipping redirect."""
         for opt in self.scape_optimizers:
-            opt.engine.close()
+            opt.engine.close(wait=not self._failed)
+        if not self._failed:  # after closing: the wait for the last mask's all-gather belongs in the summary
+            self._log_run_summary()
         for binding in self._bindings:
             binding.detach()
         self._bindings.clear()

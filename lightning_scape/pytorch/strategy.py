@@ -382,12 +382,12 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
     def teardown(self) -> None:
         """Sum the fit up (rank 0); remove the engine's hooks and the clipping redirect; stop the heartbeat."""
         self._pending_states = None
-        engines = [opt.engine for opt in self.scape_optimizers]
-        if not self._failed:
-            for engine in engines:  # a fit whose length was not known at the start (early stopping, ...)
-                self._warmup_notice.after_run(engine, self.world_size)
-            self._log_run_summary()
+        # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
         engine_setup.close_engines(self.scape_optimizers, wait=not self._failed)  # stops the heartbeat too
+        if not self._failed:
+            for opt in self.scape_optimizers:  # a fit whose length was not known at the start (early stopping, ...)
+                self._warmup_notice.after_run(opt.engine, self.world_size)
+            self._log_run_summary()
         _restore_clipping(self.precision_plugin)
         super().teardown()
 
