@@ -161,7 +161,7 @@ def scape_config(name: str) -> ScapeConfig:
     """The configuration a name stands for (unknown names raise with the list of known ones)."""
     if name not in CONFIGS:
         raise SystemExit(f"unknown configuration {name!r}; choose from {sorted(CONFIGS)}")
-    return ScapeConfig(**CONFIGS[name])
+    return ScapeConfig(**{"density": 0.01, **CONFIGS[name]})  # the fixed form of the package's former defaults
 
 
 def eval_every(steps: int) -> int:

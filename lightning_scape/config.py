@@ -28,6 +28,15 @@ def int8_dense_group(shard_numel: int) -> int:
     return math.gcd(INT8_DENSE_GROUP, shard_numel)
 
 
+# Where SCAPE chooses the form, the density of its first sparse form, the int8 wire's (docs/self_driving.md).
+AUTO_START_DENSITY = 0.025
+# A warm-up longer than any run: every step dense (a dense form, and where SCAPE chooses, until it has chosen).
+DENSE_FOREVER = 10**9
+# The density of a form fixed by wire_format alone.
+FIXED_FORM_DENSITY = 0.01
+# Where SCAPE chooses the form, it measures at least this many dense steps first (a shorter warm-up is lengthened).
+MIN_MEASURED_STEPS = 5
+
 # A ramp step denser than this is sent dense. A sparse step sends an index beside every value and parameter,
 # so the denser it is, the less it saves against dense, until it sends more (docs/algorithm.md section 5 has the
 # bytes); and the compact buffers, sized for the densest sparse step, stay this fraction of the gradient.
@@ -38,8 +47,15 @@ DENSE_ABOVE = 0.25
 class ScapeConfig:
     """Everything that decides what SCAPE sends and how it updates the parameters.
 
+    Left at None (the default), ``wire_format`` and ``density`` are chosen by SCAPE during the run, from the link
+    it measures: after the dense warm-up, and again whenever the link changes enough to change the answer, it
+    takes the form with the shortest predicted time to the same loss, every step dense (fp32 as DDP sends it, or
+    on the int8 wire) or sparse steps on the int8 wire after a density ramp (``docs/self_driving.md``). Set
+    either to fix the form.
+
     Args:
-        density: Fraction d of the coordinates sent per step, in (0, 1]. 0.01 sends 1% of the gradient
+        density: Fraction d of the coordinates sent per step, in (0, 1]; None (the default) lets SCAPE choose
+            (see above), or with ``wire_format`` set means 0.01. 0.01 sends 1% of the gradient
             values (the bytes per step against DDP + AdamW: ``docs/algorithm.md`` section 5); 0.1 is the
             safe choice for short runs. Each chunk gets ``max(1, round(density * chunk_size))`` slots, so the effective
             density is ``slots_per_chunk / chunk_size`` (higher in the smaller chunks of a tiny model's
@@ -89,9 +105,10 @@ class ScapeConfig:
             and moving it all the way at once overshoots. The default is the best cap measured
             (``docs/algorithm.md`` section 7, "The catch-up cap"); lower it if the loss jumps when the sparse
             phase starts, raise it for long runs at a low learning rate.
-        wire_format: How gradient values and parameter updates travel. ``"full"`` sends them in the parameters'
-            dtype. ``"int8"`` (sharded mode only) sends each as an int8 code with one fp32 scale per group (a
-            chunk row's slots in a sparse step, 256 coordinates in a dense one): a gradient's rounding error
+        wire_format: How gradient values and parameter updates travel; None (the default) lets SCAPE choose
+            (see above). ``"full"`` sends them in the parameters' dtype. ``"int8"`` (sharded mode only) sends
+            each as an int8 code with one fp32 scale per group (a chunk row's slots in a sparse step, 256
+            coordinates in a dense one): a gradient's rounding error
             stays in the residual, so no gradient mass is lost, and a parameter update travels as the change
             from the value every rank holds, which every rank (the owner too) applies identically, so replicas
             stay bitwise equal. Dense steps send about 1/4 of the bytes and sparse steps about 0.42 (the int16
@@ -116,7 +133,7 @@ class ScapeConfig:
             default) refuses a checkpoint whose settings differ, so that a typo does not change a run silently.
     """
 
-    density: float = 0.01
+    density: float | None = None
     chunk_size: int = 4096
     sharded: bool = True
     dense_warmup_steps: int = 30
@@ -127,7 +144,7 @@ class ScapeConfig:
     mask_statistic: MaskStatistic = "momentum"
     exploration: float = 0.1
     catch_up_cap: float = 32.0
-    wire_format: WireFormat = "full"
+    wire_format: WireFormat | None = None
     bucket_cap_mb: float = 25.0
     seed: int = 0
     collective_timeout_s: float = 1800.0
@@ -135,6 +152,31 @@ class ScapeConfig:
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def chooses_form(self) -> bool:
+        """Whether SCAPE chooses the wire format and the density from the link (neither is set)."""
+        return self.density is None and self.wire_format is None
+
+    @property
+    def sparse_density(self) -> float:
+        """d, for the arithmetic of a fixed form (``density`` and ``wire_format`` set, or as the engine resolved
+        them: :attr:`ScapeEngine.config <lightning_scape.engine.scape_engine.ScapeEngine.config>`)."""
+        if self.density is None and self.wire_format is not None:
+            return FIXED_FORM_DENSITY
+        if self.density is None:
+            raise ValueError(
+                "This ScapeConfig leaves the density to SCAPE, which chooses it during the run: read the density in "
+                "use from the engine (engine.config), or set density= to fix it."
+            )
+        return self.density
+
+    def start_form(self) -> ScapeConfig:
+        """The fixed form a run starts with: itself, or where SCAPE chooses, fp32 dense steps while it measures
+        (the density is the one the sparse form takes first, until it is chosen)."""
+        if not self.chooses_form:
+            return self.replace(wire_format=self.wire_format or "full", density=self.sparse_density)
+        return self.replace(wire_format="full", density=AUTO_START_DENSITY, dense_warmup_steps=DENSE_FOREVER)
 
     @property
     def slots_per_chunk(self) -> int:
@@ -147,7 +189,7 @@ class ScapeConfig:
         Buckets of a very small model may use chunks smaller than ``chunk_size`` (``docs/algorithm.md``,
         layout); their density is then ``slots_for(C) / C``, higher than ``density`` when ``density * C < 1``.
         """
-        return max(1, round(self.density * chunk_size))
+        return max(1, round(self.sparse_density * chunk_size))
 
     @property
     def explore_slots_per_chunk(self) -> int:
@@ -163,12 +205,13 @@ class ScapeConfig:
         ramp_step = step - self.dense_warmup_steps
         if ramp_step <= 0:
             return 1.0
+        d = self.sparse_density
         if self.dense_warmup_steps == 0 or ramp_step >= self.density_ramp_steps:
-            return self.density
+            return d
         frac = ramp_step / self.density_ramp_steps
         if self.density_ramp_shape == "geometric":
-            return float(self.density**frac)
-        return 1.0 - (1.0 - self.density) * frac
+            return float(d**frac)
+        return 1.0 - (1.0 - d) * frac
 
     @property
     def dense_steps(self) -> int:
@@ -196,7 +239,10 @@ class ScapeConfig:
         return self.max_slots(self.chunk_size)
 
     def max_slots(self, chunk_size: int) -> int:
-        """:attr:`max_slots_per_chunk` for chunks of ``chunk_size`` coordinates."""
+        """:attr:`max_slots_per_chunk` for chunks of ``chunk_size`` coordinates; where SCAPE chooses the form, the
+        most any form it may choose uses (a sparse step is never denser than :data:`DENSE_ABOVE`)."""
+        if self.chooses_form or self.dense_warmup_steps == DENSE_FOREVER:
+            return min(chunk_size, max(1, round(DENSE_ABOVE * chunk_size)))
         return self.slots_at(self.dense_steps + 1, chunk_size)
 
     @property
@@ -236,7 +282,7 @@ def _is_chunk_size(value: Any) -> bool:
 # One rule per field, checked in this order; the first broken one is reported as "field=value requirement".
 # A test is written so that NaN fails it (``not x > 0`` rather than ``x <= 0``).
 _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("density", _is_density, "must lie in (0, 1]; use e.g. 0.01 to send 1% of the gradient."),
+    ("density", lambda v: v is None or _is_density(v), "must lie in (0, 1] (or None: SCAPE chooses); 0.01 sends 1%."),
     (
         "chunk_size",
         _is_chunk_size,
@@ -250,7 +296,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("mask_statistic", _one_of(MASK_STATISTICS), f"is unknown; choose one of {MASK_STATISTICS}."),
     ("exploration", lambda value: 0.0 <= value < 1.0, "must lie in [0, 1); 0.1 is the default."),
     ("catch_up_cap", lambda value: value >= 1.0, "must be >= 1 (steps of movement at once)."),
-    ("wire_format", _one_of(WIRE_FORMATS), f"is unknown; choose one of {WIRE_FORMATS}."),
+    ("wire_format", lambda v: v is None or v in WIRE_FORMATS, f"is unknown; choose one of {WIRE_FORMATS} (or None)."),
     ("bucket_cap_mb", lambda value: value > 0.0, "must be > 0."),
     ("collective_timeout_s", lambda value: value > 0.0, "must be > 0."),
     ("resume_with_new_config", lambda value: isinstance(value, bool), "must be True or False."),
@@ -277,7 +323,7 @@ def _validate(cfg: ScapeConfig) -> None:
 class ScapeOptions(TypedDict, total=False):
     """The :class:`ScapeConfig` fields, accepted as keyword arguments by both strategies."""
 
-    density: float
+    density: float | None
     chunk_size: int
     sharded: bool
     dense_warmup_steps: int
@@ -288,7 +334,7 @@ class ScapeOptions(TypedDict, total=False):
     mask_statistic: MaskStatistic
     exploration: float
     catch_up_cap: float
-    wire_format: WireFormat
+    wire_format: WireFormat | None
     bucket_cap_mb: float
     seed: int
     collective_timeout_s: float

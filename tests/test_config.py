@@ -34,8 +34,19 @@ def test_invalid_configuration_says_what_to_change(changes: dict[str, object], m
     assert message in str(err.value)
 
 
-def test_defaults_follow_the_spec() -> None:
+def test_by_default_scape_chooses_the_form_and_starts_dense_while_it_measures() -> None:
     cfg = ScapeConfig()
+    assert cfg.density is None and cfg.wire_format is None and cfg.chooses_form
+    start = cfg.start_form()  # fp32 dense steps until the first decision; buffers for any form it may choose
+    assert start.wire_format == "full" and start.dense_steps >= 10**9 and start.max_slots(4096) == 1024
+    with pytest.raises(ValueError, match="leaves the density to SCAPE"):
+        cfg.slots_per_chunk  # noqa: B018
+    # Setting either fixes the form, as before: wire_format alone keeps d = 0.01.
+    assert not ScapeConfig(density=0.05).chooses_form and ScapeConfig(wire_format="int8").slots_per_chunk == 41
+
+
+def test_defaults_follow_the_spec() -> None:
+    cfg = ScapeConfig(density=0.01)
     assert cfg.density == 0.01 and cfg.chunk_size == 4096 and cfg.sharded
     assert cfg.mask_delay == 1 and cfg.mask_refresh_interval == 1 and cfg.mask_statistic == "momentum"
     assert cfg.exploration == 0.1

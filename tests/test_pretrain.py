@@ -144,7 +144,10 @@ def test_the_summary_says_the_first_step_compiles_only_when_it_does(monkeypatch:
     def worker(rank: int, comm: Any) -> ScapeEngine:
         model = torch.nn.Linear(64, 64)
         engine = ScapeEngine(
-            AdamS(model.parameters()), ScapeConfig(dense_warmup_steps=1, density_ramp_steps=0), comm, sync_params=False
+            AdamS(model.parameters()),
+            ScapeConfig(density=0.01, dense_warmup_steps=1, density_ramp_steps=0),
+            comm,
+            sync_params=False,
         )
         for _ in range(3):
             for p in model.parameters():

@@ -62,7 +62,9 @@ def test_the_phases_are_the_steps_the_engine_took(name: str) -> None:
 
 
 def test_the_phases_in_words() -> None:
-    default = ScapeConfig()  # 30 dense warm-up steps, a 400-step ramp whose first 120 are dense and last at density
+    default = ScapeConfig(
+        density=0.01
+    )  # 30 dense warm-up steps, a 400-step ramp whose first 120 are dense and last at density
     assert run_summary.describe_phases(default, 500) == (
         "500: 30 dense warm-up (dense_warmup_steps=30), 120 dense on the density ramp (denser than 1/4), "
         "279 sparse on the density ramp, 71 sparse at density 0.01"

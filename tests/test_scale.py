@@ -82,7 +82,7 @@ def test_tiny_run_trains_every_method_from_the_same_start_and_writes_the_report(
 
 def test_the_schedule_is_the_default_at_1000_steps_and_scales_with_the_run() -> None:
     default = method_config("scape_default", 1000)
-    assert default == ScapeConfig()
+    assert default == ScapeConfig(density=0.01)  # the fixed form of the former defaults
     assert method_config("scape_int8_d0.025", 1000) == ScapeConfig(wire_format="int8", density=0.025)
     long = method_config("scape_default", 2000)
     assert (long.dense_warmup_steps, long.density_ramp_steps) == (60, 800)

@@ -154,8 +154,10 @@ def test_summary_needs_the_reference() -> None:
 
 
 def test_scape_methods_take_the_package_defaults() -> None:
-    """Only density and statistic are stated: every other field is ScapeConfig()'s at run time."""
-    defaults = ScapeConfig().to_dict()
+    """Only density and statistic are stated: every other field is ScapeConfig(density=0.01)'s at run time; the
+    package's defaults, which choose the form, are a method of their own."""
+    assert ttl_scape_config("scape_auto") == ScapeConfig()
+    defaults = ScapeConfig(density=0.01).to_dict()
     for name, density, stat in (
         ("scape_default_d0.01", 0.01, "momentum"),
         ("scape_default_d0.1", 0.1, "momentum"),

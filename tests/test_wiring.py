@@ -403,7 +403,7 @@ def _stepped_engine(config: ScapeConfig, steps: int) -> ScapeEngine:
 
 
 def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None:
-    default = ScapeConfig()  # 30 dense warm-up steps, then 120 dense steps of the density ramp
+    default = ScapeConfig(density=0.01)  # 30 dense warm-up steps, then 120 dense steps of the density ramp
     with pytest.warns(UserWarning) as before:
         notice = warmup_notice.WarmupNotice()
         notice.before_run(default, 30.0)  # the Trainer knows the length: the warning comes before the first step
@@ -442,17 +442,24 @@ def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None
 
 def test_the_engine_line_states_the_warmup_and_the_effective_density() -> None:
     big = torch.nn.Linear(1024, 1024)
-    engine = ScapeEngine(AdamS(big.parameters(), lr=LR), ScapeConfig(), param_order=list(big.parameters()))
+    engine = ScapeEngine(AdamS(big.parameters(), lr=LR), ScapeConfig(density=0.01), param_order=list(big.parameters()))
     line = engine_setup.describe_engine(engine)
     assert "1,049,600 parameters in 1 bucket" in line and "first 30 steps dense (dense_warmup_steps)" in line
     assert "1.00% of the coordinates per step (effective density; density=0.01)" in line and "small" not in line
     # The tiny net at the default chunk size would be mostly padding: its buckets get chunks sized to them,
     # and the line says so (its 88 biases get 1 slot: 1.1%).
-    tiny = engine_setup.describe_engine(_stepped_engine(ScapeConfig(), 0))
+    tiny = engine_setup.describe_engine(_stepped_engine(ScapeConfig(density=0.01), 0))
     assert "2,968 parameters in 2 buckets" in tiny and "1.01% of the coordinates" in tiny
     assert "This model is small: 2 buckets use chunks smaller than chunk_size=4096" in tiny, tiny
     assert "2,880 parameters in chunks of 2,880, 29 slots each" in tiny
     assert "88 parameters in chunks of 88, 1 slot each" in tiny
+
+
+def test_where_scape_chooses_the_form_the_engine_line_says_what_it_measures_and_chooses_from() -> None:
+    line = engine_setup.describe_engine(_stepped_engine(ScapeConfig(dense_warmup_steps=2), 0))
+    assert "the first 5 steps fp32 dense (as DDP + AdamS sends them), measuring the compute and the link" in line
+    assert "of fp32 dense, int8 dense, int8 d=0.025, int8 d=0.01, fp32 d=0.01" in line
+    assert "set wire_format= and density= to fix the form" in line
 
 
 def test_an_adams_subclass_without_its_own_step_is_accepted_whatever_torch_wrapped() -> None:

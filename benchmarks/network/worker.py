@@ -75,10 +75,14 @@ ALL_METHODS: tuple[str, ...] = (COMPUTE_ONLY, *DDP_METHODS, *SCAPE_METHODS)
 # exactly that all-to-all on gloo, so this is scape_sharded_d0.01 under its old name, kept so that the
 # documented commands still run.
 A2A_METHOD = "scape_sharded_d0.01_a2a"
-# The time-to-loss mode's SCAPE methods: ScapeConfig() with only the density (and the statistic) stated, so
+# The time-to-loss mode's SCAPE methods: ScapeConfig(density=0.01) with only the density (and the statistic) stated, so
 # that the dense warm-up, density ramp and update rule are whatever the package's defaults are when the run
 # starts (they are recorded with every run). The methods above pin dense_warmup_steps to the harness's warm-up.
+AUTO_METHOD = "scape_auto"
+FIXED_DENSITY = 0.01
 TTL_SCAPE_METHODS: tuple[str, ...] = (
+    # The package's defaults: the form (dense, the int8 wire, sparse) chosen during the run from the measured link.
+    AUTO_METHOD,
     "scape_default_d0.01",
     "scape_default_d0.1",
     "scape_default_gradient_d0.01",
@@ -112,6 +116,7 @@ METHOD_LABELS: dict[str, str] = {
     "scape_default_int8_d0.01": "SCAPE defaults, int8 wire",
     "scape_default_int8_d0.025": "SCAPE defaults, int8 wire, d=0.025",
     "scape_int8_dense": "SCAPE int8 wire, every step dense",
+    AUTO_METHOD: "SCAPE defaults (form chosen from the link)",
     "hsdp_adamw": "native HSDP + AdamW",
     "scape_fsdp_d0.01": "ScapeFSDPStrategy d=0.01",
     "scape_fsdp_default_d0.01": "ScapeFSDPStrategy defaults (d=0.01)",
@@ -426,7 +431,10 @@ def ttl_scape_config(name: str, chunk_size: int = 0, overrides: dict[str, Any] |
     """
     if name not in TTL_SCAPE_METHODS:
         raise ValueError(f"{name!r} is not a time-to-loss SCAPE method; choose one of {TTL_SCAPE_METHODS}.")
-    cfg = ScapeConfig()
+    if name == AUTO_METHOD:
+        cfg = ScapeConfig()  # the package's defaults: SCAPE chooses its form from the link
+    else:
+        cfg = ScapeConfig(density=FIXED_DENSITY)  # the fixed form that was the default: fp32 at d = 0.01
     if "_d0" in name:
         cfg = cfg.replace(density=float(name.rsplit("_d", 1)[1]))
     if name.endswith("_dense"):

@@ -17,6 +17,7 @@ Traffic = Literal[
     "dense",  # dense steps: gradients and parameters
     "scalars",  # gradient-norm and finiteness all-reduces
     "setup",  # rank 0's parameters to every rank, once at construction
+    "probe",  # timed all-gathers that measure the link, where SCAPE chooses its form
 ]
 TRAFFIC_KINDS: tuple[Traffic, ...] = get_args(Traffic)
 
@@ -87,7 +88,7 @@ class ByteCounters:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self.total_sent = dict(state["total_sent"])  # type: ignore[call-overload]
+        self.total_sent = {**_zeros(), **state["total_sent"]}  # type: ignore[dict-item]
         self.total_dense_equivalent = int(state["total_dense_equivalent"])  # type: ignore[call-overload]
         self.total_wait_s = float(state["total_wait_s"])  # type: ignore[arg-type]
         self.steps = int(state["steps"])  # type: ignore[call-overload]

@@ -63,6 +63,9 @@ class BucketState:
         self.dense_shard: Tensor | None = None
         self.first_step = 0
         self.int8_wire = config.wire_format == "int8"
+        # Whether the residual may hold gradient not sent yet: sparse steps and the int8 wire leave it there, and
+        # an fp32 dense step then sends it with its gradient (StepInFlight), so that no mass is lost.
+        self.residual_live = False
         self.dense_int8_group = int8_dense_group(layout.shard_numel)  # int8 wire: coordinates per scale
 
     @property

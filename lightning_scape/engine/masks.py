@@ -73,6 +73,12 @@ class MaskSchedule:
         """The first masks (end of the dense warm-up, or construction without one)."""
         self._queue(new=True, for_step=self.config.dense_steps + 1)
 
+    def drop(self) -> None:
+        """Wait for every mask's all-gather and drop them all (the engine's form turns dense)."""
+        self.wait_all()
+        self.queues = [deque() for _ in self.buckets]
+        self.last_built = [None] * len(self.buckets)
+
     def restart(self, step: int) -> None:
         """Drop every mask and, past the warm-up, queue new ones for step ``step + 1`` as :meth:`begin` does.
 
@@ -82,9 +88,7 @@ class MaskSchedule:
         exploration window), so from the same statistics they are the same masks, and the count is unchanged.
         With ``mask_delay=0`` the next backward pass builds them.
         """
-        self.wait_all()
-        self.queues = [deque() for _ in self.buckets]
-        self.last_built = [None] * len(self.buckets)
+        self.drop()
         if step >= self.config.dense_steps and self.config.mask_delay > 0:
             self.refresh_count = max(0, self.refresh_count - 1)
             self._queue(new=True, for_step=step + 1)

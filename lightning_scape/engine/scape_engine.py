@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_scape.comm import ByteCounters, Communicator, Pending, SoloCommunicator, Wire
 from lightning_scape.config import ScapeConfig
-from lightning_scape.engine import feedback, joining, state, update
+from lightning_scape.engine import feedback, form_switch, joining, state, update
 from lightning_scape.engine.buckets import BucketState
 from lightning_scape.engine.layout import build_buckets
 from lightning_scape.engine.masks import MaskSchedule
@@ -72,6 +72,10 @@ class ScapeEngine:
         skip_nonfinite: Skip, on every rank, a step in which any rank saw an inf/nan gradient, leaving
             momentum, residual and parameters untouched (what fp16 loss scaling needs; it costs one scalar
             all-reduce per step). :attr:`last_step_skipped` tells the ``GradScaler``.
+        form_pilot: Chooses the form when ``config`` leaves it to SCAPE (``ScapeConfig.chooses_form``); default:
+            the package's :class:`~lightning_scape.planning.pilot.FormPilot`. Ignored for a fixed form.
+
+    ``requested_config`` is the configuration as given; ``config`` the form in use (what SCAPE chose, if it chooses).
     """
 
     def __init__(
@@ -83,9 +87,12 @@ class ScapeEngine:
         sync_params: bool = True,
         loss_scale: Callable[[], float] | None = None,
         skip_nonfinite: bool = False,
+        form_pilot: form_switch.Pilot | None = None,
     ) -> None:
         self.optimizer = optimizer
-        self.config = cfg = config or ScapeConfig()
+        self.requested_config = config or ScapeConfig()
+        self.config = cfg = self.requested_config.start_form()
+        self.pilot = (form_pilot or form_switch.default_pilot()) if self.requested_config.chooses_form else None
         self.comm: Communicator = communicator or SoloCommunicator()
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
@@ -179,6 +186,8 @@ class ScapeEngine:
             self._dense_step(step, max_grad_norm, clip_value)
         else:
             self._sparse_step(step, max_grad_norm, clip_value)
+        if self.pilot is not None and not self.last_step_skipped:
+            self.pilot.after_step(self)
 
     def _dense_step(self, step: StepInFlight, max_grad_norm: float | None, clip_value: float | None) -> None:
         """A dense step (warm-up, and the ramp's dense steps), phase by phase."""
@@ -203,7 +212,7 @@ class ScapeEngine:
         # 6. After the last dense step: every coordinate counts as sent, and the first masks are built.
         self._close_step(step, applied=True)
         if step.step == self.config.dense_steps:
-            self._finish_warmup(step.step)
+            form_switch.end_dense_steps(self, step.step)
 
     def _sparse_step(self, step: StepInFlight, max_grad_norm: float | None, clip_value: float | None) -> None:
         """A sparse step at the one-step-delayed mask, phase by phase."""
@@ -356,7 +365,7 @@ class ScapeEngine:
         return self._step
 
     def _close_step(self, step: StepInFlight, applied: bool) -> None:
-        step.close()
+        step.close(applied)
         self.last_step_skipped = not applied
         if applied:
             self.step_count += 1
@@ -379,13 +388,6 @@ class ScapeEngine:
             update.step_hyper(g, t, self.config, peak if sparse else None)
             for g, peak in zip(groups, self.peak_lr, strict=True)
         ]
-
-    def _finish_warmup(self, t: int) -> None:
-        """After the last dense step: every coordinate counts as sent now, and the first masks are built."""
-        for bs in self.buckets:
-            bs.dense_shard = None
-            bs.last_sent.fill_(t)
-        self.masks.begin()
 
 
 def _check_inputs(optimizer: Optimizer) -> None:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from lightning_scape.adams import state_dtype_for
 from lightning_scape.config import ScapeConfig
-from lightning_scape.engine import joining
+from lightning_scape.engine import form_switch, joining
 from lightning_scape.engine.layout import Bucket, ParamPlace
 from lightning_scape.engine.waiting import WaitingBucket
 
@@ -107,6 +107,7 @@ def _outline(
     peak_lr: list[float],
     counters: dict[str, Any],
     buckets: list[dict[str, Any]],
+    form: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The outline of a state for ``engine``, saved or re-sharded: its identity, then the given values.
 
@@ -117,13 +118,19 @@ def _outline(
         peak_lr: Per param group, the peak learning rate.
         counters: The byte counters' state.
         buckets: Per bucket, :func:`_bucket_state`.
+        form: The form in use (``"form"``: its configuration) and its pilot's state (``"pilot"``, where SCAPE
+            chooses the form); default: ``engine``'s.
 
     Returns:
         The state, its keys in the order every saved state has them.
     """
+    if form is None:
+        form = {"form": engine.config.to_dict()}
+        if engine.pilot is not None:
+            form = {**form, "pilot": engine.pilot.state_dict()}
     return {
         "version": STATE_VERSION,
-        "config": engine.config.to_dict(),
+        "config": engine.requested_config.to_dict(),
         "world_size": engine.world_size,
         "rank": engine.rank,
         "layout": _layout(engine),
@@ -132,7 +139,16 @@ def _outline(
         "peak_lr": peak_lr,
         "counters": counters,
         "buckets": buckets,
+        **form,
     }
+
+
+def saved_form(engine: ScapeEngine, state: Mapping[str, Any]) -> ScapeConfig:
+    """The form the engine resumes ``state`` in: the one SCAPE had chosen, where it chooses the form in both runs;
+    else the engine's own (a fixed form, or the start of a run that now chooses)."""
+    if engine.pilot is not None and "pilot" in state:
+        return ScapeConfig(**state["form"])
+    return engine.config
 
 
 def _bucket_state(
@@ -191,6 +207,7 @@ def load_engine_state(engine: ScapeEngine, state: dict[str, Any]) -> None:
     check_engine_state(engine, state)
     pairing, waiting = _plan_load(engine, state)
     joining.unbind(engine, pairing.kept)
+    form_switch.use_config(engine, saved_form(engine, state))
     masks = engine.masks
     for saved, i in zip(state["buckets"], pairing.engine_of, strict=True):
         if i is None:
@@ -200,12 +217,15 @@ def load_engine_state(engine: ScapeEngine, state: dict[str, Any]) -> None:
         bs.residual.copy_(saved["residual"])
         bs.last_sent.copy_(saved["last_sent"])
         bs.first_step = int(saved.get("first_step", 0))
+        bs.residual_live = bool(bs.residual.any())
         masks.keep(i, saved["masks"], saved["last_built"])
     engine.waiting = waiting
     engine.step_count = int(state["step_count"])
     engine.peak_lr = [float(x) for x in state["peak_lr"]]
     masks.refresh_count = int(state["refresh_count"])
     engine.counters.load_state_dict(state["counters"])
+    if engine.pilot is not None and "pilot" in state:
+        engine.pilot.load_state_dict(state["pilot"])
     if state.get(RESHARDED_FROM) is not None:
         masks.restart(engine.step_count)
 
@@ -247,7 +267,7 @@ def _plan_load(engine: ScapeEngine, state: dict[str, Any]) -> tuple[_Pairing, li
     holds (a parameter in two saved buckets: the first is the one it was last laid out in).
     """
     pairing = _pair_buckets(engine, state)
-    step, cfg = int(state["step_count"]), engine.config
+    step, cfg = int(state["step_count"]), saved_form(engine, state)
     claimed = {id(place.param) for bs in engine.buckets[: pairing.kept] for place in bs.layout.places}
     waiting = []
     for j, (saved, i) in enumerate(zip(state["buckets"], pairing.engine_of, strict=True)):
@@ -400,6 +420,7 @@ class StateResharder:
         self._fed = 0
         self._first: dict[str, Any] | None = None
         self._first_steps: list[int] = [0] * len(engine.buckets)
+        self._form: dict[str, Any] = {}  # the saved form and pilot state (first rank's)
         self._counters: dict[str, Any] | None = None
         self._momentum = [torch.zeros_like(bs.momentum, device="cpu") for bs in engine.buckets]
         self._last_sent = [torch.zeros_like(bs.last_sent, device="cpu") for bs in engine.buckets]
@@ -432,7 +453,8 @@ class StateResharder:
         if self._first is None:
             self._first = {k: state[k] for k in ("step_count", "refresh_count", "peak_lr")}
             self._first_steps = [int(b.get("first_step", 0)) for b in state["buckets"]]
-            if int(state["step_count"]) >= engine.config.dense_steps:
+            self._form = {k: state[k] for k in ("form", "pilot") if k in state}
+            if int(state["step_count"]) >= saved_form(engine, state).dense_steps:
                 # Past the warm-up every coordinate has a last-sent step; the new padding gets the resume step.
                 for t in self._last_sent:
                     t.fill_(int(state["step_count"]))
@@ -480,6 +502,7 @@ class StateResharder:
                     self._momentum, self._residual, self._last_sent, self._first_steps, engine.buckets, strict=True
                 )
             ],
+            form=self._form if "form" in self._form else None,
         )
         return {**state, RESHARDED_FROM: W}
 
@@ -556,7 +579,7 @@ def _check_version(state: Any) -> None:
 
 
 def _check_config(engine: ScapeEngine, state: dict[str, Any]) -> None:
-    check_config(engine.config, state["config"])
+    check_config(engine.requested_config, state["config"])
 
 
 def config_changes(config: ScapeConfig, saved: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -61,6 +61,7 @@ class StepInFlight:
         self.rounds = 1  # rounds of launches: a backward pass that reaches launched buckets starts one
         self.carry: list[Tensor | None] = [None] * n  # per bucket: the averaged values of earlier rounds
         self.staged: list[Tensor | None] = [None] * n  # int8 wire, dense, skip_nonfinite: the residual to commit
+        self.folded = [False] * n  # fp32 dense: the bucket's residual went out with its gradient
         self.sent_versions = [-1] * n  # per bucket: the gradient buffer's version when it was launched
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=buckets[0].params.device)
         self._synced: list[Tensor] | None = None
@@ -116,6 +117,8 @@ class StepInFlight:
             if self.residual_took_grads:
                 self.carry[i] = g.clone()  # synced_grads added the carry of earlier rounds already
                 bs.residual.sub_(bs.grads)
+            elif self.folded[i] and not self.skip_nonfinite:
+                bs.residual.sub_(bs.grads)  # the launch added it to the residual it sent; the next adds it again
             if self.loss_scale is not None and self.loss_scale != 1.0:
                 bs.grads.mul_(self.loss_scale)
         n = len(self.buckets)
@@ -137,11 +140,19 @@ class StepInFlight:
             if a is not None:
                 bs.residual.copy_(a)
 
-    def close(self) -> None:
-        """The step is over: a dense step gives back what :meth:`~BucketState.dense_synced` borrowed."""
+    def close(self, applied: bool) -> None:
+        """The step is over: a dense step gives back what :meth:`~BucketState.dense_synced` borrowed; an applied
+        one that sent a residual leaves it empty, and one that sent values leaves it live."""
         if self.dense:
             for bs in self.buckets:
                 bs.end_dense_step()
+        if not applied:
+            return
+        into_residual = not self.dense or self.config.wire_format == "int8"
+        for bs, folded in zip(self.buckets, self.folded, strict=True):
+            if folded:
+                bs.residual.zero_()
+            bs.residual_live = into_residual or (bs.residual_live and not folded)
 
     def grads_written_after_launch(self) -> bool:
         """Whether a gradient buffer was written after its launch: ``param.grad`` changed in place (by gradient
@@ -169,10 +180,18 @@ class StepInFlight:
             self.staged[i] = a if self.skip_nonfinite else None
             return self.wire.reduce_scatter_int8("dense", bs.dense_synced(), a, bs.dense_int8_group)
         if self.config.sharded:
-            return self.wire.reduce_scatter_sum("dense", bs.dense_synced(), bs.grads)
-        total = bs.dense_synced()
+            return self.wire.reduce_scatter_sum("dense", bs.dense_synced(), self._dense_source(i, bs))
+        total = bs.dense_synced()  # the residual's storage: a replicated form never turns dense after sparse steps
         total.copy_(bs.grads)
         return self.wire.all_reduce_sum("dense", total)
+
+    def _dense_source(self, i: int, bs: BucketState) -> Tensor:
+        """What a sharded fp32 dense step sends: the gradient, with the residual a sparse or int8 form left (then
+        zeroed when the step is applied; a step that may still be skipped sends a copy)."""
+        if not bs.residual_live:
+            return bs.grads
+        self.folded[i] = True
+        return bs.residual + bs.grads if self.skip_nonfinite else bs.residual.add_(bs.grads)
 
     def _launch_sparse(self, i: int, bs: BucketState) -> Pending:
         """The compact values at the mask; a later round keeps the first round's mask (``mask_delay=0`` builds

@@ -164,7 +164,7 @@ def _scape(
     layout = scape_layout(param_groups, W, cfg)
     traffic = ScapeTraffic(layout, cfg)
     steady = traffic.steady_state()
-    extra = compute.extra(cfg.density)
+    extra = compute.extra(cfg.sparse_density)
     step = mean_step(steady, compute, cluster, extra, overlap_next)
     span = traffic.schedule_steps
     schedule = list(traffic.steps(max(span, 1)))
@@ -187,13 +187,13 @@ def _scape(
     if run_steps is not None:
         run_s = sum(times[:run_steps]) + max(0, run_steps - span) * step.total_s
     return MethodEstimate(
-        name=scape_name(cfg.density),
-        density=cfg.density,
+        name=scape_name(cfg.sparse_density),
+        density=cfg.sparse_density,
         bytes_per_step=sum(s.bytes_sent(W) for s in steady) / len(steady),
         step=step,
         memory=scape_memory(layout, cfg),
         dense_bytes_per_step=schedule[0].bytes_sent(W) if cfg.dense_steps else None,
-        extra_counted=compute.has_extra(cfg.density),
+        extra_counted=compute.has_extra(cfg.sparse_density),
         breakeven_bps={name: breakeven_bandwidth(gain_at(t)) for name, t in dense.items()},
         schedule=cost,
         run_s=run_s,

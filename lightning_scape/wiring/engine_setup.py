@@ -12,8 +12,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_scape.comm import abandon_in_flight, make_communicator, stop_heartbeat
-from lightning_scape.config import ScapeConfig
+from lightning_scape.config import MIN_MEASURED_STEPS, ScapeConfig
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.planning import forms
+from lightning_scape.planning.pilot import Decision, FormPilot
 from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
 
 if TYPE_CHECKING:
@@ -63,9 +65,19 @@ def build_scape_optimizer(
         sync_params=False,
         loss_scale=loss_scale,
         skip_nonfinite=scaler is not None,
+        form_pilot=logged_pilot(),
     )
     rank_zero_info(describe_engine(engine))
     return ScapeOptimizer(adams, engine, source=optimizer)
+
+
+def logged_pilot() -> FormPilot:
+    """A form pilot whose decisions rank 0 logs, as it logs the set-up line and the summary."""
+
+    def log(decision: Decision) -> None:
+        rank_zero_info("lightning_scape: " + decision.describe())
+
+    return FormPilot(on_decision=log)
 
 
 def close_engines(optimizers: Iterable[ScapeOptimizer], wait: bool) -> None:
@@ -103,6 +115,8 @@ def describe_engine(engine: ScapeEngine, subject: str | None = None) -> str:
             "lightning_scape: SCAPE has no trainable parameters yet (all frozen): they join the engine when they "
             "are unfrozen or their param group is added to the optimizer, and its steps do nothing until then."
         )
+    if engine.pilot is not None:
+        return _auto_line(engine, subject)
     slots = sum(bs.layout.chunks * cfg.slots_for(bs.layout.chunk_size) for bs in engine.buckets)
     density = slots / engine.padded_numel
     n = len(engine.buckets)
@@ -129,6 +143,20 @@ def describe_engine(engine: ScapeEngine, subject: str | None = None) -> str:
             f"{cfg.chunk_size}, sized so that the padding the dense steps send stays within 5% ({sizes})"
         )
     return line + "."
+
+
+def _auto_line(engine: ScapeEngine, subject: str | None) -> str:
+    """The set-up line where SCAPE chooses the form: what it measures, when it decides, what it chooses from."""
+    cfg = engine.requested_config
+    first = max(cfg.dense_warmup_steps, MIN_MEASURED_STEPS)
+    subject = subject or f"SCAPE on {engine.numel:,} parameters"
+    choices = ", ".join(f.name for f in forms.candidates(cfg.sharded))
+    return (
+        f"lightning_scape: {subject} in {_count(len(engine.buckets), 'bucket')}: the first {first} steps fp32 dense "
+        f"(as DDP + AdamS sends them), measuring the compute and the link; then the form predicted to reach the same "
+        f"loss first, of {choices} (a sparse form after a {cfg.density_ramp_steps}-step density ramp), checked again "
+        "as the run goes on. Each decision is logged; set wire_format= and density= to fix the form"
+    )
 
 
 def _count(n: int, noun: str) -> str:

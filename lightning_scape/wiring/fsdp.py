@@ -44,7 +44,7 @@ from lightning_scape.adams import AdamS
 from lightning_scape.comm import Communicator, FaultNamingCommunicator, SoloCommunicator
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring.engine_setup import describe_engine
+from lightning_scape.wiring.engine_setup import describe_engine, logged_pilot
 from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
 
 WrapPolicy = set[type[Module]] | Callable[[Module], bool]
@@ -353,7 +353,9 @@ def build_fsdp_scape_optimizer(
     binding = ShardBinding(module)
     shadow = AdamS(binding.order or [nn.Parameter(torch.zeros(1))])
     shadow.param_groups = binding.proxy_groups(adams)
-    engine = ScapeEngine(shadow, config, communicator, param_order=binding.order, sync_params=False)
+    engine = ScapeEngine(
+        shadow, config, communicator, param_order=binding.order, sync_params=False, form_pilot=logged_pilot()
+    )
     binding.attach(engine)
     if grid is not None:
         rank_zero_info(describe_shard_engine(engine, grid, sum(p.numel() for p in module.parameters())))

@@ -16,6 +16,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_scape.config import DENSE_ABOVE, ScapeConfig
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.planning.forms import FP32_DENSE
+from lightning_scape.planning.pilot import FormPilot
 from lightning_scape.wiring.optimizer import ScapeOptimizer
 
 # The labels of the summary's lines are padded to this width, so that their texts line up.
@@ -79,21 +81,38 @@ def phases(config: ScapeConfig, steps: int) -> Phases:
     return Phases(warmup, dense - warmup, sparse_ramp, steps - dense - sparse_ramp)
 
 
+def describe_steps(engine: ScapeEngine) -> str:
+    """The engine's steps by phase (:func:`describe_phases`), or where SCAPE chose the form, by form: ``"500, in the
+    forms SCAPE chose: fp32 dense 1-30; int8 d=0.025 31-500 (through a 400-step density ramp)"``."""
+    pilot = engine.pilot
+    if not isinstance(pilot, FormPilot):
+        return describe_phases(engine.config, engine.step_count)
+    spans = [(0, FP32_DENSE)] + [(d.step, d.chosen) for d in pilot.decisions if d.chosen != d.before]
+    ends = [start for start, _ in spans[1:]] + [engine.step_count]
+    parts = []
+    for (start, form), end in zip(spans, ends, strict=True):
+        ramp = "" if form.dense else f" (through a {engine.config.density_ramp_steps}-step density ramp)"
+        parts.append(f"{form.name} {start + 1}-{end}{ramp}")
+    if not pilot.decisions:
+        parts[-1] += ", measuring the link"
+    return f"{engine.step_count}, in the forms SCAPE chose: " + "; ".join(parts)
+
+
 def describe_phases(config: ScapeConfig, steps: int) -> str:
     """``"500: 30 dense warm-up (...), 120 dense on the density ramp (...), 279 sparse on the density ramp, 71 sparse
     at density 0.01"``: the steps taken, by phase; phases with no step are left out."""
     p = phases(config, steps)
-    above = f"density={config.density:g} is above 1/4, so they are sent dense"
+    above = f"density={config.sparse_density:g} is above 1/4, so they are sent dense"
     parts = [
         (p.warmup, f"{p.warmup} dense warm-up (dense_warmup_steps={config.dense_warmup_steps})"),
         (
             p.dense_after_warmup,
             f"{p.dense_after_warmup} dense on the density ramp (denser than 1/4)"
-            if config.density <= DENSE_ABOVE
+            if config.sparse_density <= DENSE_ABOVE
             else f"{p.dense_after_warmup} dense ({above})",
         ),
         (p.sparse_ramp, f"{p.sparse_ramp} sparse on the density ramp"),
-        (p.at_density, f"{p.at_density} sparse at density {config.density:g}"),
+        (p.at_density, f"{p.at_density} sparse at density {config.sparse_density:g}"),
     ]
     return f"{steps}: " + ", ".join(text for count, text in parts if count)
 
@@ -132,7 +151,7 @@ def summary_lines(engine: ScapeEngine, baseline: str = "DDP") -> list[str]:
     return [
         summary_line("communication", communication(engine, baseline)),
         summary_line("waiting", waiting(engine)),
-        summary_line("steps", describe_phases(engine.config, engine.step_count)),
+        summary_line("steps", describe_steps(engine)),
     ]
 
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
-from lightning_scape.config import DENSE_ABOVE, ScapeConfig
+from lightning_scape.config import DENSE_ABOVE, DENSE_FOREVER, ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.engine.layout import Bucket
 from lightning_scape.wiring.run_traffic import run_bytes
@@ -92,17 +92,19 @@ class WarmupNotice:
 def dense_on_purpose(config: ScapeConfig, steps: int) -> bool:
     """Whether a run of ``steps`` is dense by choice: the int8 wire with a warm-up as long as the run, which
     steps AdamS on the whole gradient at a quarter of DDP's bytes (``ScapeConfig.wire_format``)."""
+    if config.chooses_form or config.dense_warmup_steps == DENSE_FOREVER:  # SCAPE chose dense steps, or the user
+        return True
     return config.wire_format == "int8" and config.dense_warmup_steps >= steps
 
 
 def _all_dense(config: ScapeConfig, steps: int, syntax: Syntax = "python") -> str:
     """Why every step of a run of ``steps`` is dense, and what to pass instead."""
-    if config.density > DENSE_ABOVE:
+    if config.sparse_density > DENSE_ABOVE:
         # Not the warm-up: a step that dense is sent dense (a sparse one would send more than the whole gradient).
         density = "--scape.density 0.01" if syntax == "cli" else "ScapeStrategy(density=0.01)"
         return (
-            f"all sent dense: density={config.density:g} is above 1/4, and SCAPE sends a step that dense as DDP does "
-            "(the whole gradient; its values with their indices would be more). No step is sparse. For SCAPE's "
+            f"all sent dense: density={config.sparse_density:g} is above 1/4, and SCAPE sends a step that dense as DDP "
+            "does (the whole gradient; its values with their indices would be more). No step is sparse. For SCAPE's "
             f"savings pass a density of at most 0.25, e.g. {density}."
         )
     ramp = config.dense_steps - config.dense_warmup_steps

@@ -1,0 +1,87 @@
+"""Switching the engine's form between steps: every step dense (fp32 or the int8 wire) or sparse after a ramp.
+
+The mechanism only; which form to take, and when, is the pilot's (:class:`Pilot`): by default
+:class:`lightning_scape.planning.pilot.FormPilot`, which measures the link and predicts each form's time to the
+same loss. A switch keeps every invariant of the engine. No gradient mass is lost: sparse steps and the int8 wire
+leave what they did not send in the residual, and the next fp32 dense step sends it with its gradient
+(:attr:`~lightning_scape.engine.buckets.BucketState.residual_live`). Replicas stay identical: every rank switches
+after the same step, from the same (all-reduced) measurements. A sparse form starts with the configured density
+ramp, as after the warm-up; a dense form drops the masks in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lightning_scape.config import ScapeConfig
+
+if TYPE_CHECKING:
+    from lightning_scape.engine.scape_engine import ScapeEngine
+
+
+class Pilot(Protocol):
+    """Chooses the engine's form during the run (``ScapeConfig.chooses_form``)."""
+
+    def after_step(self, engine: ScapeEngine) -> None:
+        """Called on every rank after every applied step; may call :func:`switch_form` (on every rank alike)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the pilot."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+_default_pilot: Callable[[], Pilot] | None = None
+
+
+def set_default_pilot(factory: Callable[[], Pilot]) -> None:
+    """The pilot an engine takes when its configuration leaves the form to SCAPE and none is given (the package
+    sets :class:`~lightning_scape.planning.pilot.FormPilot` when it is imported)."""
+    global _default_pilot
+    _default_pilot = factory
+
+
+def default_pilot() -> Pilot:
+    """A new pilot from :func:`set_default_pilot`'s factory."""
+    if _default_pilot is None:
+        raise RuntimeError(
+            "No pilot to choose SCAPE's form: import lightning_scape (which registers it), pass form_pilot= to "
+            "ScapeEngine, or set wire_format= and density= in ScapeConfig to fix the form."
+        )
+    return _default_pilot()
+
+
+def use_config(engine: ScapeEngine, config: ScapeConfig) -> None:
+    """Make ``config`` the engine's form: what its steps, masks and buckets read (no collective)."""
+    engine.config = config
+    engine.masks.config = config
+    for bs in engine.buckets:
+        bs.int8_wire = config.wire_format == "int8"
+
+
+def switch_form(engine: ScapeEngine, config: ScapeConfig) -> None:
+    """Take ``config`` (a fixed form) from the next step on; every rank must call this after the same step.
+
+    Masks in flight are waited for and dropped. A form whose next step is sparse builds its first masks now, from
+    the momentum and residual (every coordinate counts as sent now, as at the end of the warm-up).
+    """
+    if config.dense_steps > engine.step_count and not config.sharded and any(b.residual_live for b in engine.buckets):
+        raise ValueError(
+            "A replicated engine (sharded=False) cannot turn dense after sparse steps: its dense steps reuse the "
+            "residual's memory, which still holds gradient not sent. Use sharded=True."
+        )
+    engine.masks.drop()
+    use_config(engine, config)
+    if engine.step_count == config.dense_steps:  # else the last dense step of its ramp does this
+        end_dense_steps(engine, engine.step_count)
+
+
+def end_dense_steps(engine: ScapeEngine, step: int) -> None:
+    """After the last dense step (of the warm-up, or of a form): every coordinate counts as sent at ``step``, and
+    the first masks are built."""
+    for bs in engine.buckets:
+        bs.dense_shard = None
+        bs.last_sent.fill_(step)
+    engine.masks.begin()

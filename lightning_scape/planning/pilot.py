@@ -1,0 +1,219 @@
+"""The form pilot: SCAPE chooses its form from the link it measures, and keeps choosing during the run.
+
+Where ``ScapeConfig`` leaves ``wire_format`` and ``density`` unset, the engine starts with fp32 dense steps (what
+DDP + AdamS sends) and this pilot, after every step:
+
+1. measures the step's compute: its wall-clock less the time blocked on SCAPE's collectives;
+2. at a decision (the end of the dense warm-up, at least :data:`~lightning_scape.config.MIN_MEASURED_STEPS` steps;
+   then every :data:`RECHECK_STEPS` steps once any density ramp is
+   over), measures the link with timed all-gathers of two sizes
+   (:func:`~lightning_scape.planning.forms.link_from_probe`) and all-reduces both measurements, so that every
+   rank holds the same numbers;
+3. predicts every form's time to the same loss (:func:`~lightning_scape.planning.forms.predict`) and takes the
+   fastest if it beats the form in use by :data:`~lightning_scape.planning.forms.SWITCH_MARGIN`
+   (:func:`~lightning_scape.planning.forms.choose`);
+4. switches the engine (:func:`~lightning_scape.engine.form_switch.switch_form`) and reports the decision.
+
+A form's compute, once measured, is kept: a form that turned out slower than predicted (the int8 wire's rounding,
+a sparse step's mask selection) is predicted with its own compute from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_scape.config import MIN_MEASURED_STEPS
+from lightning_scape.engine.form_switch import switch_form
+from lightning_scape.planning import forms
+from lightning_scape.planning.forms import FP32_DENSE, Form, Prediction
+from lightning_scape.planning.network import Link
+
+if TYPE_CHECKING:
+    from lightning_scape.engine.scape_engine import ScapeEngine
+
+log = logging.getLogger(__name__)
+
+# Steps between decisions once a form runs (and its ramp, if any, is over). A decision sends the probe's
+# all-gathers, about 0.8 MB per rank at W = 2: the bytes of a few sparse steps of a 10M-parameter model.
+RECHECK_STEPS = 200
+# The probe: all-gathers of this many fp32 elements per rank (the small one measures the latency), each timed
+# PROBE_REPEATS times, the fastest kept (a probe can only be slowed by noise, never sped up).
+PROBE_SMALL_NUMEL = 256
+PROBE_LARGE_NUMEL = 1 << 16
+PROBE_REPEATS = 3
+# The first steps of a form are left out of its compute: they compile kernels and fill buffers.
+SETTLING_STEPS = 2
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One decision: what was measured, what each form was predicted to take, what was chosen.
+
+    Attributes:
+        step: The step after which it was taken.
+        link: The measured link (all ranks' mean).
+        compute_s: The compute of the form in use (all ranks' mean of the per-rank medians).
+        predictions: Every candidate's prediction.
+        before: The form in use until then.
+        chosen: The form from the next step on.
+    """
+
+    step: int
+    link: Link
+    compute_s: float
+    predictions: tuple[Prediction, ...]
+    before: Form
+    chosen: Form
+
+    def describe(self) -> str:
+        """The log line: measured, chosen, each candidate's predicted step and time to the same loss, why."""
+        rate = f"{self.link.bandwidth_bps / 1e9:.3g} Gbit/s, {1e6 * self.link.latency_s:.0f} us latency"
+        cands = "; ".join(
+            f"{p.form.name} {1e3 * p.step_s:.1f} ms x {p.steps_factor:g} steps = {1e3 * p.time_to_loss:.1f}"
+            + ("" if p.compute_measured else " (compute of the dense steps)")
+            for p in sorted(self.predictions, key=lambda p: p.time_to_loss)
+        )
+        if self.chosen == self.before:
+            verdict = f"keeps {self.chosen.name}: no form is predicted {forms.SWITCH_MARGIN:g}x faster to the same loss"
+        else:
+            verdict = f"switches from {self.before.name} to {self.chosen.name}, the fastest to the same loss"
+        return (
+            f"SCAPE after step {self.step} {verdict}. Measured: link {rate}; compute {1e3 * self.compute_s:.1f} ms a "
+            f"step. Predicted ms per step x steps to the same loss (against dense AdamS) = ms per step of progress: "
+            f"{cands}. Fix the form with ScapeStrategy({self.chosen.settings()})."
+        )
+
+
+class FormPilot:
+    """Chooses SCAPE's form from the measured link (``docs/self_driving.md``).
+
+    Args:
+        on_decision: Called on every rank with each decision (the strategies log it on rank 0); default: logged
+            by this module's logger on rank 0.
+    """
+
+    def __init__(self, on_decision: Callable[[Decision], None] | None = None) -> None:
+        self.form: Form = FP32_DENSE
+        self.compute_s: dict[Form, float] = {}
+        self.decisions: list[Decision] = []
+        self.on_decision = on_decision
+        self.last_decision_step: int | None = None
+        self._samples: list[float] = []
+        self._last: tuple[float, float] | None = None  # (clock, total wait) after the previous step
+
+    # ------------------------------------------------------------------ the engine's hook
+
+    def after_step(self, engine: ScapeEngine) -> None:
+        """Measure the step; at a decision point, decide (every rank alike)."""
+        now, waited = time.perf_counter(), engine.counters.total_wait_s
+        if self._last is not None:
+            self._samples.append((now - self._last[0]) - (waited - self._last[1]))
+        self._last = (now, waited)
+        if engine.step_count < self.next_decision(engine):
+            return
+        self.decide(engine)
+        self._last = (time.perf_counter(), engine.counters.total_wait_s)  # the probe is not a step's compute
+
+    def next_decision(self, engine: ScapeEngine) -> int:
+        """The step after which the next decision is taken."""
+        if self.last_decision_step is None:
+            return max(engine.requested_config.dense_warmup_steps, MIN_MEASURED_STEPS)
+        cfg = engine.config
+        ramp_end = 0 if self.form.dense else cfg.dense_warmup_steps + cfg.density_ramp_steps
+        return max(self.last_decision_step + RECHECK_STEPS, ramp_end + SETTLING_STEPS + 1)
+
+    def decide(self, engine: ScapeEngine) -> Decision:
+        """Measure the link, predict every form, and switch the engine if one is clearly faster."""
+        compute, link = self._measure(engine)
+        self.compute_s[self.form] = compute
+        self.compute_s.setdefault(FP32_DENSE, compute)
+        base = engine.requested_config
+        candidates = forms.candidates(base.sharded)
+        layout = [bs.layout for bs in engine.buckets]
+        predictions = forms.predict(candidates, layout, base, link, engine.world_size, self.compute_s)
+        chosen = forms.choose(predictions, self.form)
+        if not base.sharded and not self.form.dense:
+            chosen = self.form  # a replicated engine cannot turn dense after sparse steps (form_switch)
+        decision = Decision(engine.step_count, link, compute, tuple(predictions), self.form, chosen)
+        self.decisions.append(decision)
+        self.last_decision_step = engine.step_count
+        if chosen != self.form:
+            switch_form(engine, chosen.config(base.start_form(), engine.step_count))
+            self.form = chosen
+            self._samples = []
+        self._report(engine, decision)
+        return decision
+
+    # ------------------------------------------------------------------ measurements
+
+    def _measure(self, engine: ScapeEngine) -> tuple[float, Link]:
+        """This form's compute and the link, each the mean over the ranks (so every rank decides alike)."""
+        compute = self._compute(self._samples)
+        self._samples = []
+        small, large = self._probe_times(engine)
+        device = engine.buckets[0].params.device if engine.buckets else torch.device("cpu")
+        local = torch.tensor([compute, small, large], dtype=torch.float64, device=device)
+        engine.wire.wait(engine.wire.all_reduce_sum("probe", local))
+        compute, small, large = (float(x) / engine.world_size for x in local.cpu())
+        link = forms.link_from_probe(PROBE_SMALL_NUMEL, small, PROBE_LARGE_NUMEL, large, engine.world_size)
+        return compute, link
+
+    def _compute(self, samples: list[float]) -> float:
+        """One step's compute from the form's steps so far: the median, its first steps left out."""
+        return statistics.median(samples[SETTLING_STEPS:] or samples or [0.0])
+
+    def _probe_times(self, engine: ScapeEngine) -> tuple[float, float]:
+        """The seconds of the small and the large probe (each the fastest of its repeats)."""
+        return _probe(engine, PROBE_SMALL_NUMEL), _probe(engine, PROBE_LARGE_NUMEL)
+
+    def _report(self, engine: ScapeEngine, decision: Decision) -> None:
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        elif engine.rank == 0:
+            log.info(decision.describe())
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The form in use, the measured compute of each form, and the step of the last decision."""
+        return {
+            "form": _form_dict(self.form),
+            "compute_s": [[_form_dict(f), s] for f, s in self.compute_s.items()],
+            "last_decision_step": self.last_decision_step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the engine restores the form's configuration itself)."""
+        self.form = Form(**state["form"])
+        self.compute_s = {Form(**f): float(s) for f, s in state["compute_s"]}
+        self.last_decision_step = state["last_decision_step"]
+        self._samples, self._last = [], None
+
+
+def _form_dict(form: Form) -> dict[str, Any]:
+    return {"wire_format": form.wire_format, "density": form.density}
+
+
+def _probe(engine: ScapeEngine, numel: int) -> float:
+    """The fastest of :data:`PROBE_REPEATS` timed all-gathers of ``numel`` fp32 elements per rank (counted as
+    ``"probe"`` traffic)."""
+    device = engine.buckets[0].params.device if engine.buckets else torch.device("cpu")
+    send = torch.ones(numel, dtype=torch.float32, device=device)
+    out = torch.empty(numel * engine.world_size, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(PROBE_REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        engine.wire.wait(engine.wire.all_gather("probe", out, send))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best

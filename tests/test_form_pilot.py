@@ -1,0 +1,153 @@
+"""SCAPE chooses its form from the link it measures: the prediction, the choice, and the engine's switches.
+
+The measurements are given, not timed: a pilot whose ``_measure`` returns a link set by the test, so every
+decision here is the same on any machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_net, random_batch
+
+from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
+from lightning_scape.comm import Communicator
+from lightning_scape.comm.wire import all_gather_bytes, all_reduce_bytes
+from lightning_scape.planning import forms, pilot
+from lightning_scape.planning.forms import FP32_DENSE, INT8_DENSE, Form
+from lightning_scape.planning.network import Link
+from lightning_scape.planning.traffic import parameter_groups, scape_layout
+
+CONFIG = ScapeConfig(chunk_size=64, dense_warmup_steps=4, density_ramp_steps=3)  # SCAPE chooses the form
+SLOW, FAST = Link(1e5, 0.0, 1.0), Link(1e13, 0.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "bps", "expected"),
+    [(2, 1e8, "int8 d=0.025"), (2, 1e9, "int8 dense"), (2, 1e10, "fp32 dense"), (4, 1e8, "int8 d=0.025")],
+)
+def test_on_each_link_of_the_benchmark_it_takes_the_form_that_reached_the_loss_first(
+    world_size: int, bps: float, expected: str
+) -> None:
+    # The time-to-loss benchmark's model (0.86M parameters) and compute (80 ms a step on its 2-core machine):
+    # fastest to L* were the int8 wire at d = 0.025 at 100 Mbit/s, every step dense on the int8 wire at 1 Gbit/s and
+    # DDP + AdamS at 10 Gbit/s (docs/benchmarks.md).
+    layout = scape_layout(parameter_groups(numel=857_000), world_size, CONFIG.start_form())
+    link = Link(bps * 0.95, 50e-6, 1.0)
+    predictions = forms.predict(forms.candidates(True), layout, ScapeConfig(), link, world_size, {FP32_DENSE: 0.08})
+    assert forms.choose(predictions, FP32_DENSE).name == expected
+
+
+def test_a_form_must_be_clearly_faster_to_replace_the_one_in_use() -> None:
+    def at(ms: float, form: Form) -> forms.Prediction:
+        return forms.Prediction(form, ms / 1e3, forms.STEPS_TO_LOSS[form], True)
+
+    close = [at(100, FP32_DENSE), at(95, INT8_DENSE)]  # 5% faster: noise, not a reason to switch
+    assert forms.choose(close, FP32_DENSE) == FP32_DENSE and forms.choose(close, INT8_DENSE) == INT8_DENSE
+    clear = [at(100, FP32_DENSE), at(85, INT8_DENSE)]
+    assert forms.choose(clear, FP32_DENSE) == INT8_DENSE
+    # Time to the same loss, not per step: 80 ms sparse steps need 1.33x the steps (106 ms of progress).
+    assert forms.choose([at(100, FP32_DENSE), at(80, Form("int8", 0.025))], FP32_DENSE) == FP32_DENSE
+
+
+def test_the_link_is_read_from_two_timed_gathers() -> None:
+    # W = 2: 1000 and 101,000 fp32 elements per rank send 4 kB and 404 kB; 400 kB more in 32 ms more is 100 Mbit/s,
+    # and the small one's 1 ms less its 0.32 ms of bytes is the latency (one ring step).
+    link = forms.link_from_probe(1000, 1e-3, 101_000, 33e-3, 2)
+    assert link.bandwidth_bps == pytest.approx(1e8) and link.latency_s == pytest.approx(0.68e-3)
+    assert forms.link_from_probe(1000, 2e-3, 101_000, 1e-3, 2).bandwidth_bps == 1e13  # noise: the fastest link
+
+
+class GivenLink(pilot.FormPilot):
+    """A pilot that sends its probes but reads their times from ``links`` (one per decision), and 1 ms of compute,
+    instead of timing them."""
+
+    def __init__(self, links: list[Link], int8_dense_s: float | None = None) -> None:
+        super().__init__(on_decision=lambda decision: None)
+        self.links = links
+        if int8_dense_s is not None:  # as if every step dense on the int8 wire had been measured that slow
+            self.compute_s[INT8_DENSE] = int8_dense_s
+
+    def _compute(self, samples: list[float]) -> float:
+        return 1e-3
+
+    def _probe_times(self, engine: ScapeEngine) -> tuple[float, float]:
+        super()._probe_times(engine)
+        link = self.links[min(len(self.decisions), len(self.links) - 1)]
+        size = (pilot.PROBE_SMALL_NUMEL, pilot.PROBE_LARGE_NUMEL)
+        return tuple(8 * all_gather_bytes(n, 4, engine.world_size) / link.bandwidth_bps for n in size)  # type: ignore[return-value]
+
+
+def _run(rank: int, comm: Communicator, links: list[Link], steps: int, int8_dense_s: float | None = None) -> Any:
+    model = make_net(0, torch.float64)
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), CONFIG, comm, form_pilot=GivenLink(links, int8_dense_s))
+    for step in range(steps):
+        x, y = random_batch(100 * step + rank, 8, torch.float64)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        engine.step()
+        engine.zero_grad()
+    engine.close()
+    assert isinstance(engine.pilot, GivenLink)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "chosen": [(d.step, d.chosen.name) for d in engine.pilot.decisions],
+        "residual": [bs.residual.clone() for bs in engine.buckets],
+        "probe_bytes": engine.counters.total_sent["probe"],
+        "state": engine.state_dict(),
+    }
+
+
+def test_it_goes_sparse_on_a_slow_link_and_dense_again_when_the_link_is_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
+    ranks = simulate(2, lambda rank, comm: _run(rank, comm, [SLOW, SLOW, FAST], 30))
+    # After the warm-up (step 4) the slow link makes sparse steps on the int8 wire the fastest; after the ramp and
+    # RECHECK_STEPS, still slow: kept; then fast: every step dense.
+    chosen = ranks[0]["chosen"]
+    assert chosen[0][1].startswith("int8 d=") and chosen[1][1] == chosen[0][1] and chosen[2][1].endswith("dense")
+    assert [s for s, _ in chosen[:3]] == [5, 11, 17]  # at least 5 measured steps; the ramp ends at 5 + 3 + 2 settling
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(a, b)  # every rank decided alike: the replicas stay identical
+    # Each decision: 3 timed gathers of each probe size, and one all-reduce of the three measurements (fp64).
+    one = 3 * (all_gather_bytes(pilot.PROBE_SMALL_NUMEL, 4, 2) + all_gather_bytes(pilot.PROBE_LARGE_NUMEL, 4, 2))
+    assert ranks[0]["probe_bytes"] == len(chosen) * (one + all_reduce_bytes(3, 8, 2))
+
+
+def test_turning_dense_after_sparse_steps_sends_the_residual_and_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
+    ranks = simulate(2, lambda rank, comm: _run(rank, comm, [SLOW, SLOW, FAST], 18, int8_dense_s=5e-3))
+    assert ranks[0]["chosen"][2] == (17, "fp32 dense")
+    # The fp32 dense step after the sparse ones sent what they had left in the residual with its gradient.
+    assert all(not r.any() for rank in ranks for r in rank["residual"])
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_checkpoint_resumes_the_chosen_form_and_continues_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
+    whole = simulate(2, lambda rank, comm: _run(rank, comm, [SLOW], 14))
+
+    def resumed(rank: int, comm: Communicator) -> dict[str, Any]:
+        first = _run(rank, comm, [SLOW], 9)
+        model = make_net(0, torch.float64)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), first["params"], strict=True):
+                p.copy_(q)
+        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), CONFIG, comm, sync_params=False,
+                             form_pilot=GivenLink([SLOW]))  # fmt: skip
+        engine.optimizer.load_state_dict(engine.optimizer.state_dict())
+        engine.load_state_dict(first["state"])
+        assert engine.config.wire_format == "int8" and not engine.in_warmup
+        for step in range(9, 14):
+            x, y = random_batch(100 * step + rank, 8, torch.float64)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            engine.step()
+            engine.zero_grad()
+        engine.close()
+        return {"params": [p.detach().clone() for p in model.parameters()]}
+
+    again = simulate(2, resumed)
+    for r in range(2):
+        for a, b in zip(whole[r]["params"], again[r]["params"], strict=True):
+            assert torch.equal(a, b)
