@@ -324,7 +324,7 @@ def summarize_ttl(ranks: list[dict[str, Any]], methods: list[str], emulated: boo
         p["points"] = [vars(q) for q in pts]
         p["train_loss"] = c["train_loss"]
         p["cum_time_s"] = c["cum_time_s"]
-        for k in ("config", "powersgd", "slots", "effective_density"):
+        for k in ("config", "powersgd", "slots", "effective_density", "decisions"):
             if k in rec0:
                 p[k] = rec0[k]
         per[name] = p
@@ -456,7 +456,10 @@ def phase_row(p: dict[str, Any]) -> str:
     reached = p["to_1.00_steps"]
     end = int(reached) if math.isfinite(reached) else len(cum)
     cfg = p.get("config")
-    dense = min(end, ScapeConfig(**cfg).dense_steps) if cfg else end
+    if p.get("decisions"):  # SCAPE chose its form: the dense steps it measured on before its first decision
+        dense = min(end, p["decisions"][0]["step"])
+    else:
+        dense = min(end, ScapeConfig(**cfg).dense_steps) if cfg else end
     times = [b - a for a, b in zip([0.0, *cum[: end - 1]], cum[:end], strict=True)]
     cells = [p["label"]]
     for part in (times[:dense], times[dense:]):

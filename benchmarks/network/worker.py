@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_scape import AdamS, ProcessGroupCommunicator, ScapeConfig, ScapeEngine
+from lightning_scape import AdamS, FormPilot, ProcessGroupCommunicator, ScapeConfig, ScapeEngine
 from lightning_scape.comm import ByteCounters, Traffic, all_reduce_bytes
 from lightning_scape.examples.workloads import (
     build_model,
@@ -333,10 +333,15 @@ class Method:
         self.opt.zero_grad(set_to_none=False)
         return 0.0
 
+    def step_begins(self) -> None:
+        """Before a step's forward pass (SCAPE's form pilot: the methods' rounds interleave, so the time since this
+        method's previous step is not its compute)."""
+
     def train_step(self, x: Tensor, y: Tensor, lr: float) -> StepTimes:
         """One optimizer step at learning rate ``lr``."""
         for g in self.opt.param_groups:
             g["lr"] = lr
+        self.step_begins()
         t0 = time.perf_counter()
         loss = self.forward_backward(x, y)
         t1 = time.perf_counter()
@@ -484,6 +489,11 @@ class ScapeMethod(Method):
         self.counters = self.engine.counters
         self.max_grad_norm = spec.max_grad_norm
         self._watch_gradients()
+
+    def step_begins(self) -> None:
+        """Tell a form pilot where this method's step starts."""
+        if isinstance(self.engine.pilot, FormPilot):
+            self.engine.pilot.step_begins(self.engine)
 
     def optimizer_step(self) -> float:
         """``engine.step`` (clipping inside), ``zero_grad``, then the wait for the next mask's all-gather."""
@@ -727,8 +737,14 @@ def run(spec: WorkerSpec) -> dict[str, Any]:
             info["buckets"] = len(m.engine.buckets)
             info["slots"] = m.engine.slots
             info["padded_numel"] = m.engine.padded_numel
-            info["effective_density"] = m.config.effective_density
+            info["effective_density"] = m.engine.config.effective_density  # the form in use at the end
             info["config"] = m.config.to_dict()
+            if isinstance(m.engine.pilot, FormPilot):  # where SCAPE chose the form: each decision
+                info["decisions"] = [
+                    {"step": d.step, "before": d.before.name, "chosen": d.chosen.name,
+                     "link_bps": d.link.bandwidth_bps, "compute_s": d.compute_s, "text": d.describe()}
+                    for d in m.engine.pilot.decisions
+                ]  # fmt: skip
             m.engine.close()
         out["methods"][m.name] = info
     return out

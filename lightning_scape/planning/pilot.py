@@ -121,6 +121,12 @@ class FormPilot:
         self.decide(engine)
         self._last = (time.perf_counter(), engine.counters.total_wait_s)  # the probe is not a step's compute
 
+    def step_begins(self, engine: ScapeEngine) -> None:
+        """Mark the start of a step's forward pass, so that what ran since the previous step (validation,
+        checkpoints, other work) does not count as this form's compute; without it a step's compute runs from
+        the end of the previous one."""
+        self._last = (time.perf_counter(), engine.counters.total_wait_s)
+
     def next_decision(self, engine: ScapeEngine) -> int:
         """The step after which the next decision is taken."""
         if self.last_decision_step is None:
