@@ -19,6 +19,7 @@ from lightning_scape.planning import forms, pilot
 from lightning_scape.planning.forms import FP32_DENSE, INT8_DENSE, Form
 from lightning_scape.planning.network import Link
 from lightning_scape.planning.traffic import parameter_groups, scape_layout
+from lightning_scape.pytorch.monitors import form_metrics
 
 CONFIG = ScapeConfig(chunk_size=64, dense_warmup_steps=4, density_ramp_steps=3)  # SCAPE chooses the form
 SLOW, FAST = Link(1e5, 0.0, 1.0), Link(1e13, 0.0, 1.0)
@@ -95,6 +96,7 @@ def _run(rank: int, comm: Communicator, links: list[Link], steps: int, int8_dens
         "chosen": [(d.step, d.chosen.name) for d in engine.pilot.decisions],
         "residual": [bs.residual.clone() for bs in engine.buckets],
         "probe_bytes": engine.counters.total_sent["probe"],
+        "metrics": form_metrics(engine),
         "state": engine.state_dict(),
     }
 
@@ -109,8 +111,10 @@ def test_it_goes_sparse_on_a_slow_link_and_dense_again_when_the_link_is_fast(mon
     assert [s for s, _ in chosen[:3]] == [5, 11, 17]  # at least 5 measured steps; the ramp ends at 5 + 3 + 2 settling
     for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(a, b)  # every rank decided alike: the replicas stay identical
-    # Each decision: 3 timed gathers of each probe size, and one all-reduce of the three measurements (fp64).
-    one = 3 * (all_gather_bytes(pilot.PROBE_SMALL_NUMEL, 4, 2) + all_gather_bytes(pilot.PROBE_LARGE_NUMEL, 4, 2))
+    metrics = ranks[0]["metrics"]  # CommunicationMonitor's view of the last decision: dense, at the fast link
+    assert metrics["comm/form_density"] == 1.0 and metrics["comm/link_gbps"] == pytest.approx(1e4)
+    # Each decision: 2 timed gathers of each probe size, and one all-reduce of the three measurements (fp64).
+    one = pilot.PROBE_REPEATS * (all_gather_bytes(pilot.PROBE_SMALL_NUMEL, 4, 2) + all_gather_bytes(pilot.PROBE_LARGE_NUMEL, 4, 2))
     assert ranks[0]["probe_bytes"] == len(chosen) * (one + all_reduce_bytes(3, 8, 2))
 
 

@@ -18,8 +18,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -247,6 +248,7 @@ def measure_profiles(
     summarize: Callable[[list[dict[str, Any]]], dict[str, Any]],
     show: Callable[[dict[str, Any]], None],
     write: Callable[[dict[str, Any]], None],
+    rate_changes: Sequence[tuple[float, float]] = (),
 ) -> None:
     """Run the workers on every profile in turn and append each profile's entry to ``results["profiles"]``.
 
@@ -264,6 +266,8 @@ def measure_profiles(
         summarize: The profile's summary from the workers' records (by rank).
         show: Prints the profile's tables, given its entry (and may add to it).
         write: Writes every output of ``results``.
+        rate_changes: ``(seconds, Mbit/s)``: after that many seconds of the workers' run the link changes to that
+            rate (a link whose capacity changes during training; emulated profiles only).
     """
     emulated, world_size = results["emulated"], results["world_size"]
     per_host = results.get("ranks_per_host", 1)
@@ -286,7 +290,19 @@ def measure_profiles(
                 def host_spec(h: Host, prof_dir: str = prof_dir) -> WorkerSpec:
                     return spec_for(h, prof_dir)
 
-                raw = launch_workers(net, host_spec, prof_dir, timeout_s)
+                timers = [
+                    threading.Timer(t, net.set_rate, args=(mbit,))
+                    for t, mbit in rate_changes
+                    if isinstance(net, EmulatedNetwork)
+                ]
+                for timer in timers:
+                    timer.daemon = True
+                    timer.start()
+                try:
+                    raw = launch_workers(net, host_spec, prof_dir, timeout_s)
+                finally:
+                    for timer in timers:
+                        timer.cancel()
             summary = summarize(raw["ranks"])
             summary["qdisc"] = raw["qdisc"]
             results["params"] = raw["ranks"][0]["params"]
@@ -295,6 +311,7 @@ def measure_profiles(
                 "rate_mbit": prof.rate_mbit,
                 "latency_ms": prof.latency_ms,
                 "throughput_bps": tput,
+                "rate_changes": [list(c) for c in rate_changes],
                 "wall_s": time.time() - t0,
                 "summary": summary,
             }

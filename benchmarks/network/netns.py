@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -338,6 +339,17 @@ class EmulatedNetwork:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", inner, "root", *self._tbf_args()])
         if p.rate_mbit is not None:
             _run(["tc", "qdisc", "add", "dev", outer, "root", *self._tbf_args()])
+
+    def set_rate(self, rate_mbit: float) -> None:
+        """Change every host's link to ``rate_mbit`` while the workers run (a link whose capacity changes)."""
+        if self.profile.latency_ms > 0 or self.profile.rate_mbit is None:
+            raise ValueError("a link change needs a rate-limited profile without --latency-ms")
+        self.profile = dataclasses.replace(self.profile, rate_mbit=rate_mbit)
+        for r in range(self.world_size // self.ranks_per_host):
+            tag = self._tag
+            ns, outer, inner = f"{NETNS_PREFIX}{tag}-{r}", f"{LINK_PREFIX}{tag}h{r}", f"{LINK_PREFIX}{tag}n{r}"
+            _run(["tc", "-n", ns, "qdisc", "change", "dev", inner, "root", *self._tbf_args()])
+            _run(["tc", "qdisc", "change", "dev", outer, "root", *self._tbf_args()])
 
     def qdisc_stats(self) -> list[dict[str, int]]:
         """Per host: bytes and drops of its send-side and receive-side shapers so far, and the rate each is set to

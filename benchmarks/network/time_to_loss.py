@@ -450,6 +450,18 @@ def profile_tables(prof: dict[str, Any], emulated: bool) -> list[str]:
     return md
 
 
+def parse_link_changes(spec: str) -> list[tuple[float, float]]:
+    """``"100@240,1000@600"`` -> ``[(240.0, 100.0), (600.0, 1000.0)]``: (seconds after the workers start, Mbit/s)."""
+    changes = []
+    for part in filter(None, spec.split(",")):
+        mbit, _, seconds = part.partition("@")
+        try:
+            changes.append((float(seconds), float(mbit)))
+        except ValueError:
+            raise SystemExit(f"--link-change {part!r}: write MBIT@SECONDS, e.g. 100@240") from None
+    return sorted(changes)
+
+
 def phase_row(p: dict[str, Any]) -> str:
     """One method's steps up to L*, split into the dense steps and the ones after them."""
     cum = p["cum_time_s"]
@@ -726,6 +738,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--loopback", action="store_true", help="no namespaces, no limit (also without root)")
     ap.add_argument("--timeout-s", type=float, default=2 * 3600.0, help="give up on a profile after this long")
+    ap.add_argument(
+        "--link-change",
+        default="",
+        help="change the link during the run: comma list of MBIT@SECONDS (after the workers start), e.g. 100@240",
+    )
     ap.add_argument("--out", default=None, help="output directory (default: a new temporary one)")
     ap.add_argument("--resummarize", metavar="OUT", default=None, help="only rebuild OUT's outputs from its records")
     ap.add_argument(
@@ -911,6 +928,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summarize=lambda ranks: summarize_ttl(ranks, methods, reason is None),
         show=lambda prof: print("\n".join(profile_tables({**prof, **_run_facts(results)}, reason is None))),
         write=write,
+        rate_changes=parse_link_changes(args.link_change),
     )
     print(f"wrote {out}/results.md, headline.md, results.csv, curves.csv, results.json and plots")
     return results

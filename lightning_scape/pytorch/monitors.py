@@ -31,6 +31,7 @@ from typing_extensions import override
 from lightning_scape.comm import TRAFFIC_KINDS
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.kernels import mask_positions
+from lightning_scape.planning.pilot import FormPilot
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 
 
@@ -147,13 +148,26 @@ def _engine_of(strategy: Any) -> ScapeEngine | None:
     return opts[-1].engine if opts else None
 
 
+def form_metrics(engine: ScapeEngine) -> dict[str, float]:
+    """The form SCAPE chose and the link it last measured (none where the form is fixed)."""
+    pilot = engine.pilot
+    if not isinstance(pilot, FormPilot):
+        return {}
+    link = pilot.decisions[-1].link.bandwidth_bps / 1e9 if pilot.decisions else math.nan
+    return {
+        "comm/form_density": 1.0 if pilot.form.density is None else pilot.form.density,
+        "comm/form_int8": float(pilot.form.wire_format == "int8"),
+        "comm/link_gbps": link,
+    }
+
+
 class CommunicationMonitor(_ScapeMonitor):
     """Bytes SCAPE sent per step, by kind, against what DDP would have sent, and wait time.
 
     Keys (means per optimizer step over the logging window; bytes are per rank, as the ring formulas of
     ``docs/algorithm.md`` section 5 counts them; a ring collective receives as much as it sends):
 
-    * ``comm/sent_bytes`` and, per kind (``values``, ``params``, ``indices``, ``dense``, ``scalars``,
+    * ``comm/sent_bytes`` and, per kind (``values``, ``params``, ``indices``, ``dense``, ``scalars``, ``probe``,
       ``setup``), ``comm/sent_bytes/<kind>``;
     * ``comm/dense_equivalent_bytes``: what DDP's dense all-reduce of the same gradients would send;
     * ``comm/compression_ratio``: dense-equivalent over sent bytes of the window; the progress bar shows the last
@@ -161,7 +175,10 @@ class CommunicationMonitor(_ScapeMonitor):
     * ``comm/wait_s`` (mean over steps and ranks) and ``comm/wait_s_max``: time blocked on collectives, i.e.
       communication not hidden under compute;
     * ``comm/total_sent_bytes``, ``comm/total_dense_equivalent_bytes``, ``comm/total_wait_s``: since the start
-      of the run (restored from checkpoints).
+      of the run (restored from checkpoints);
+    * where SCAPE chooses its form (``docs/self_driving.md``), the form in use and the link last measured:
+      ``comm/form_density`` (1 for a dense form, else its density), ``comm/form_int8`` (1 on the int8 wire) and
+      ``comm/link_gbps`` (nan before the first decision).
 
     Args:
         log_every_n_steps: Trainer only: log every this many optimizer steps; default: the Trainer's
@@ -199,6 +216,7 @@ class CommunicationMonitor(_ScapeMonitor):
             "comm/total_sent_bytes": float(c.total_sent_bytes),
             "comm/total_dense_equivalent_bytes": float(c.total_dense_equivalent),
             "comm/total_wait_s": float(c.total_wait_s),
+            **form_metrics(engine),
         }
 
     @override
