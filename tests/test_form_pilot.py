@@ -17,7 +17,7 @@ from lightning_scape.comm import Communicator
 from lightning_scape.comm.wire import all_gather_bytes, all_reduce_bytes
 from lightning_scape.planning import forms, pilot
 from lightning_scape.planning.forms import FP32_DENSE, INT8_DENSE, Form
-from lightning_scape.planning.network import Link
+from lightning_scape.planning.network import Cluster, Link
 from lightning_scape.planning.traffic import parameter_groups, scape_layout
 from lightning_scape.pytorch.monitors import form_metrics
 
@@ -37,7 +37,8 @@ def test_on_each_link_of_the_benchmark_it_takes_the_form_that_reached_the_loss_f
     # DDP + AdamS at 10 Gbit/s (docs/benchmarks.md).
     layout = scape_layout(parameter_groups(numel=857_000), world_size, CONFIG.start_form())
     link = Link(bps * 0.95, 50e-6, 1.0)
-    predictions = forms.predict(forms.candidates(True), layout, ScapeConfig(), link, world_size, {FP32_DENSE: 0.08})
+    cluster = Cluster(world_size, 1, link)
+    predictions = forms.predict(forms.candidates(True), layout, ScapeConfig(), cluster, {FP32_DENSE: 0.08})
     assert forms.choose(predictions, FP32_DENSE).name == expected
 
 
@@ -114,7 +115,9 @@ def test_it_goes_sparse_on_a_slow_link_and_dense_again_when_the_link_is_fast(mon
     metrics = ranks[0]["metrics"]  # CommunicationMonitor's view of the last decision: dense, at the fast link
     assert metrics["comm/form_density"] == 1.0 and metrics["comm/link_gbps"] == pytest.approx(1e4)
     # Each decision: 2 timed gathers of each probe size, and one all-reduce of the three measurements (fp64).
-    one = pilot.PROBE_REPEATS * (all_gather_bytes(pilot.PROBE_SMALL_NUMEL, 4, 2) + all_gather_bytes(pilot.PROBE_LARGE_NUMEL, 4, 2))
+    one = pilot.PROBE_REPEATS * (
+        all_gather_bytes(pilot.PROBE_SMALL_NUMEL, 4, 2) + all_gather_bytes(pilot.PROBE_LARGE_NUMEL, 4, 2)
+    )
     assert ranks[0]["probe_bytes"] == len(chosen) * (one + all_reduce_bytes(3, 8, 2))
 
 

@@ -30,6 +30,7 @@ from lightning_scape.planning import (
     ddp_bucket_numels,
     ddp_traffic,
     estimate,
+    forms,
     parameter_groups,
     scape_layout,
     scape_memory,
@@ -171,9 +172,14 @@ def test_schedule_cost_finds_where_the_run_gets_ahead_by_hand() -> None:
     assert early.ahead_from == 3  # 0.5 s and 0.2 s behind after steps 1 and 2, 0.3 s ahead after step 3
 
 
-def _estimate(bps: float = 1e9, extra_s: float = 0.003, run_steps: int | None = None) -> Estimate:
+def _estimate(
+    bps: float = 1e9, extra_s: float = 0.003, run_steps: int | None = None, config: ScapeConfig | None = None
+) -> Estimate:
+    """A 20M-parameter model on two nodes, SCAPE's form fixed (fp32 at each density) unless ``config`` says."""
     compute = StepCompute.from_total(0.05, {0.1: extra_s, 0.01: extra_s})
-    return estimate(parameter_groups(numel=20_000_000), Cluster(2, 1, Link(bps)), compute, run_steps=run_steps)
+    config = config or ScapeConfig(density=0.01)
+    groups = parameter_groups(numel=20_000_000)
+    return estimate(groups, Cluster(2, 1, Link(bps)), compute, config=config, run_steps=run_steps)
 
 
 @pytest.mark.parametrize("extra_s", [0.003, 0.02])
@@ -215,6 +221,21 @@ def test_recommendation_follows_the_link() -> None:
     short = _estimate(bps=1e8, run_steps=ahead.ahead_from - 1)  # ends before SCAPE has caught up
     assert short.recommendation.startswith("Use DDP bf16 hook + AdamW for this run")
     assert "shorten --dense-warmup-steps and --density-ramp-steps" in short.recommendation
+
+
+@pytest.mark.parametrize(
+    ("bps", "form"), [(1e8, "int8 d=0.01"), (2e9, "int8 d=0.025"), (2e10, "int8 dense"), (1e12, "fp32 dense")]
+)
+def test_with_the_defaults_it_says_which_form_the_run_would_choose_and_how_to_fix_it(bps: float, form: str) -> None:
+    est = _estimate(bps=bps, config=ScapeConfig())
+    assert est.chosen_form is not None and est.chosen_form.name == form
+    assert est.recommendation.startswith(f"SCAPE's defaults would run {form} on this cluster")
+    assert f"ScapeStrategy({est.chosen_form.settings()})" in est.recommendation
+    # The run's pilot predicts the same from the same model, given the same compute and link.
+    layout = scape_layout(parameter_groups(numel=20_000_000), 2, ScapeConfig().start_form())
+    cluster = Cluster(2, 1, Link(bps))
+    ours = forms.predict(forms.candidates(True), layout, ScapeConfig(), cluster, {forms.FP32_DENSE: 0.05})
+    assert forms.choose(ours, forms.FP32_DENSE) == est.chosen_form
 
 
 def test_the_int8_wire_adds_scape_with_every_step_dense() -> None:
@@ -299,7 +320,8 @@ def test_the_command_prints_the_table_with_the_package_formulas(capsys: pytest.C
     assert est.method(DDP).bytes_per_step == all_reduce_bytes(160_000_000, 4, 2)
     prose = " ".join(out.split())  # the prose is wrapped
     assert "9.0 ms at d=0.1, 9.0 ms at d=0.01" in prose and "A run of 2000 steps" in prose
-    assert "Recommendation: Use SCAPE d=0.01" in prose
+    assert "Recommendation: SCAPE's defaults would run " in prose and "To fix it: ScapeStrategy(" in prose
+    assert "The forms SCAPE chooses from" in out and "int8 dense" in out
     assert "SCAPE d=0.01: the first 150 steps are dense" in prose
     assert max(len(line) for line in out.splitlines()) <= 110
 

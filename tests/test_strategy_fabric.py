@@ -170,11 +170,10 @@ def test_registered_name_with_default_configuration(fabric_runs: str) -> None:
         assert o["sent"]["values"] == 0 and o["sent"]["dense"] > 0  # dense warm-up only
 
 
-def test_a_run_that_ends_inside_the_dense_warmup_is_told_once(fabric_runs: str) -> None:
-    (message,), rank1 = [o["warmup_warnings"] for o in runs(fabric_runs, "f_default")]
-    assert "ended after 2 optimizer steps" in message and "dense_warmup_steps=30" in message and not rank1
-    # A run that leaves its warm-up (2 dense steps of 8) hears nothing.
-    assert all(not o["warmup_warnings"] for o in runs(fabric_runs, "f_main"))
+def test_a_short_run_at_the_defaults_is_not_warned_its_dense_steps_measure_the_link(fabric_runs: str) -> None:
+    # Where SCAPE chooses its form its first steps are dense on purpose; a fixed form's run that ends in its
+    # warm-up is warned (test_wiring).
+    assert all(not o["warmup_warnings"] for o in runs(fabric_runs, "f_default") + runs(fabric_runs, "f_main"))
 
 
 @scenario("fabric")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_scape.config import ScapeConfig
+from lightning_scape.planning import forms
+from lightning_scape.planning.forms import FP32_DENSE, Form, Prediction
 from lightning_scape.planning.memory import Memory, ddp_memory, scape_memory
 from lightning_scape.planning.network import Cluster
 from lightning_scape.planning.predict import (
@@ -79,6 +81,12 @@ class Estimate:
     methods: list[MethodEstimate]
     run_steps: int | None
     recommendation: str
+    forms: tuple[Prediction, ...] = ()
+
+    @property
+    def chosen_form(self) -> Form | None:
+        """The form SCAPE's defaults would take on this cluster (None: the configuration fixes it)."""
+        return forms.choose(self.forms, FP32_DENSE) if self.forms else None
 
     def method(self, name: str) -> MethodEstimate:
         """The method called ``name``."""
@@ -129,7 +137,19 @@ def estimate(
         cfg = base.replace(density=d)
         methods.append(_scape(param_groups, cluster, compute, cfg, dense, run_steps, overlap_next))
     params = sum(p.numel() for g in param_groups for p in g["params"])
-    return Estimate(params, cluster, compute, base, methods, run_steps, recommend(methods, run_steps))
+    if not base.chooses_form:
+        return Estimate(params, cluster, compute, base, methods, run_steps, recommend(methods, run_steps))
+    # What the run's form pilot would predict and choose, from the same model (docs/self_driving.md).
+    layout = scape_layout(param_groups, W, base.start_form())
+    candidates = forms.candidates(base.sharded)
+    predicted = tuple(forms.predict(candidates, layout, base, cluster, {FP32_DENSE: compute.total_s}))
+    chosen = forms.choose(predicted, FP32_DENSE)
+    text = (
+        f"SCAPE's defaults would run {chosen.name} on this cluster, the form predicted to reach the same loss first "
+        f"(the table above: ms per step x steps to the loss dense AdamS reaches); the run measures the link and the "
+        f"compute itself and decides again as they change. To fix it: ScapeStrategy({chosen.settings()})."
+    )
+    return Estimate(params, cluster, compute, base, methods, run_steps, text, predicted)
 
 
 def _scape_int8_dense(

@@ -133,24 +133,21 @@ def predict(
     forms: Sequence[Form],
     layout: Sequence[Bucket],
     base: ScapeConfig,
-    link: Link,
-    world_size: int,
+    cluster: Cluster,
     compute_s: Mapping[Form, float],
     start: Form = FP32_DENSE,
 ) -> list[Prediction]:
-    """Each form's step on ``link`` and time to the same loss, with the compute each form was measured at.
+    """Each form's step on ``cluster`` and time to the same loss, with the compute each form was measured at.
 
     Args:
         forms: The candidates.
         layout: The engine's buckets.
         base: The run's configuration (its schedule, chunk size, sharding, mask options).
-        link: The measured link.
-        world_size: W.
+        cluster: The ranks and the link (the engine measures one rank per node: ``Cluster(W, 1, link)``).
         compute_s: Per form measured so far, one step's seconds without waiting on SCAPE's collectives; must hold
             ``start``, whose compute stands in for a form not measured yet.
         start: The form measured first.
     """
-    cluster = Cluster(world_size, 1, link)
     out = []
     for form in forms:
         cfg = form.config(base.start_form(), base.dense_warmup_steps)  # a sparse form: the ramp after the warm-up

@@ -33,7 +33,7 @@ from lightning_scape.config import MIN_MEASURED_STEPS
 from lightning_scape.engine.form_switch import switch_form
 from lightning_scape.planning import forms
 from lightning_scape.planning.forms import FP32_DENSE, Form, Prediction
-from lightning_scape.planning.network import Link
+from lightning_scape.planning.network import Cluster, Link
 
 if TYPE_CHECKING:
     from lightning_scape.engine.scape_engine import ScapeEngine
@@ -144,7 +144,8 @@ class FormPilot:
         base = engine.requested_config
         candidates = forms.candidates(base.sharded)
         layout = [bs.layout for bs in engine.buckets]
-        predictions = forms.predict(candidates, layout, base, link, engine.world_size, self.compute_s)
+        cluster = Cluster(engine.world_size, 1, link)
+        predictions = forms.predict(candidates, layout, base, cluster, self.compute_s)
         chosen = forms.choose(predictions, self.form)
         if not base.sharded and not self.form.dense:
             chosen = self.form  # a replicated engine cannot turn dense after sparse steps (form_switch)

@@ -118,6 +118,15 @@ def format_estimate(est: Estimate, model: str, compute_source: str) -> str:
     if est.run_steps is not None:
         runs = ", ".join(f"{m.name} {_duration(m.run_s or 0.0)}" for m in est.methods)
         lines += ["", _wrap(f"A run of {est.run_steps} steps: {runs}.")]
+    if est.forms:
+        lines += ["", "The forms SCAPE chooses from (ms per step x steps to the same loss = ms per step of progress):"]
+        chosen = est.chosen_form
+        for pred in sorted(est.forms, key=lambda p: p.time_to_loss):
+            mark = "  <- chosen" if pred.form == chosen else ""
+            lines.append(
+                f"  {pred.form.name:<14} {1e3 * pred.step_s:9.1f} ms x {pred.steps_factor:<4g} = "
+                f"{1e3 * pred.time_to_loss:9.1f} ms{mark}"
+            )
     lines += ["", _wrap(f"Recommendation: {est.recommendation}")]
     lines.append(
         _wrap(
