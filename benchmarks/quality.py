@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 
-from lightning_scape import ScapeConfig, ScapeEngine, simulate
+from lightning_scape import FormPilot, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
+from lightning_scape.config import MIN_MEASURED_STEPS
 from lightning_scape.examples.workloads import (
     CORPORA,
     adams_optimizer,
@@ -56,6 +57,8 @@ from lightning_scape.examples.workloads import (
     set_cosine_lr,
     validation_loss,
 )
+from lightning_scape.planning.network import Cluster, Collective, Link
+from lightning_scape.planning.pilot import PROBE_LARGE_NUMEL, PROBE_SMALL_NUMEL
 
 DENSE = "dense"
 WORLD_SIZE = 2
@@ -108,6 +111,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # The int8 wire at d = 0.025 with a shorter density ramp (its dense steps cost a quarter of fp32's).
     "int8_d0.025_r200": {"wire_format": "int8", "density": 0.025, "density_ramp_steps": 200},
     "int8_d0.025_r100": {"wire_format": "int8", "density": 0.025, "density_ramp_steps": 100},
+    # The package's defaults (SCAPE chooses the form), with the link its pilot measures read as 100 Mbit/s
+    # (the simulated ranks' own link is memory): the form a run on that link takes, and its quality.
+    "auto_100mbit": {"density": None},
     # The learning rate of the sparse steps (the package has no such option; the benchmark scales the cosine).
     "sparse_lr1.5": _W100_R200,
     "sparse_lr2": _W100_R200,
@@ -164,6 +170,24 @@ def scape_config(name: str) -> ScapeConfig:
     return ScapeConfig(**{"density": 0.01, **CONFIGS[name]})  # the fixed form of the package's former defaults
 
 
+# The links the form pilot of an "auto_*" configuration reads instead of timing its probes (bits per second).
+GIVEN_LINKS: dict[str, Link] = {"auto_100mbit": Link(95e6, 50e-6, 1.0)}
+
+
+class GivenLinkPilot(FormPilot):
+    """The package's form pilot, its probes sent but their times those of ``link``; the compute is measured."""
+
+    def __init__(self, link: Link) -> None:
+        super().__init__(on_decision=lambda decision: None)
+        self.link = link
+
+    def _probe_times(self, engine: ScapeEngine) -> tuple[float, float]:
+        super()._probe_times(engine)
+        cluster = Cluster(engine.world_size, 1, self.link)
+        small, large = (Collective("all_gather", "probe", n, 4) for n in (PROBE_SMALL_NUMEL, PROBE_LARGE_NUMEL))
+        return cluster.seconds(small), cluster.seconds(large)
+
+
 def eval_every(steps: int) -> int:
     """Twenty to thirty points per curve."""
     return 10 if steps <= 300 else 50 if steps <= 1000 else 100
@@ -176,13 +200,16 @@ def train(rank: int, comm: Communicator, run: Run, tokens: tuple[torch.Tensor, t
     model = build_model(BLOCK, preset=run.model, seed=run.seed)
     opt = adams_optimizer(model, PEAK_LR)
     config = scape_config(run.config)
-    engine = ScapeEngine(opt, config, comm, list(model.parameters()))
+    link = GIVEN_LINKS.get(run.config)
+    pilot = None if link is None else GivenLinkPilot(link)
+    engine = ScapeEngine(opt, config, comm, list(model.parameters()), form_pilot=pilot)
     lr_scale = SPARSE_LR_SCALE.get(run.config, 1.0)
+    sparse_from = config.dense_steps if lr_scale != 1.0 else run.steps
     gen = torch.Generator().manual_seed(1234 + rank + 1000 * run.seed)
     losses, step_bytes, curve = [], [], []
     every = eval_every(run.steps)
     for step in range(run.steps):
-        set_cosine_lr(opt, step, run.steps, PEAK_LR * (lr_scale if step >= config.dense_steps else 1.0))
+        set_cosine_lr(opt, step, run.steps, PEAK_LR * (lr_scale if step >= sparse_from else 1.0))
         x, y = sample_batch(train_tokens, gen, run.batch, BLOCK)
         loss = lm_loss(model, x, y)
         loss.backward()
@@ -197,6 +224,7 @@ def train(rank: int, comm: Communicator, run: Run, tokens: tuple[torch.Tensor, t
             model.train()
             curve.append((done, val, engine.counters.total_sent_bytes))
     record = {
+        "decisions": [] if pilot is None else [(d.step, d.chosen.name, d.describe()) for d in pilot.decisions],
         "losses": losses,
         "curve": curve,
         "step_bytes": step_bytes,
@@ -220,6 +248,7 @@ def run_one(run: Run, tokens: tuple[torch.Tensor, torch.Tensor]) -> dict[str, An
         "train_loss": train_loss,
         "step_bytes": rank0["step_bytes"],
         "dense_equivalent_per_step": rank0["dense_equivalent_per_step"],
+        "decisions": rank0["decisions"],
         "seconds": time.perf_counter() - t0,
     }
 
@@ -259,7 +288,8 @@ def planned(table: str | None, args: argparse.Namespace) -> list[Run]:
 def sparse_phase_bytes(rec: dict[str, Any]) -> float:
     """Mean bytes of the steps at the final density (after the dense warm-up and the density ramp)."""
     cfg = ScapeConfig(**rec["scape_config"])
-    first = cfg.dense_warmup_steps + max(cfg.density_ramp_steps, 1)
+    warmup = max(cfg.dense_warmup_steps, MIN_MEASURED_STEPS) if cfg.chooses_form else cfg.dense_warmup_steps
+    first = warmup + max(cfg.density_ramp_steps, 1)
     tail = rec["step_bytes"][first:] or rec["step_bytes"]
     return sum(tail) / len(tail)
 

@@ -668,6 +668,7 @@ def plot(runs: Sequence[dict[str, Any]], out: str, merged: bool = False) -> None
                         label=p["label"],
                         **method_style(p["method"], (*TTL_METHODS, *TTL_FSDP_METHODS)),
                     )
+                    mark_decisions(ax, p, kind)
                 for f, ls in zip(TARGET_FACTORS, (":", "-."), strict=True):
                     ax.axhline(s["targets"][str(f)], color="grey", linestyle=ls, linewidth=0.8, label=f"{f:g} L*")
                 ax.set_xlabel(xlabel)
@@ -680,6 +681,17 @@ def plot(runs: Sequence[dict[str, Any]], out: str, merged: bool = False) -> None
                 fig.tight_layout()
                 fig.savefig(os.path.join(folder, f"val_loss_vs_{kind}.png"), dpi=110)
                 plt.close(fig)
+
+
+def mark_decisions(ax: Any, p: dict[str, Any], kind: str) -> None:
+    """Where SCAPE chose its form: a dotted line at each switch, labelled with the form it switched to."""
+    cum = p.get("cum_time_s") or []
+    for d in p.get("decisions") or []:
+        if d["chosen"] == d["before"] or d["step"] > len(cum):
+            continue
+        x = cum[d["step"] - 1] if kind == "time" else d["step"]
+        ax.axvline(x, color="black", linestyle=":", linewidth=0.7)
+        ax.text(x, 0.98, f" {d['chosen']}", transform=ax.get_xaxis_transform(), fontsize=6, va="top", rotation=90)
 
 
 def prof_dir_name(r: dict[str, Any], profile: str, merged: bool) -> str:
