@@ -93,9 +93,9 @@ class Estimate:
         return next(m for m in self.methods if m.name == name)
 
 
-def scape_name(density: float) -> str:
-    """``SCAPE d=0.01``."""
-    return f"SCAPE d={density:g}"
+def scape_name(density: float, wire_format: str | None = None) -> str:
+    """``SCAPE d=0.01``; on the int8 wire ``SCAPE int8 d=0.025``."""
+    return f"SCAPE int8 d={density:g}" if wire_format == "int8" else f"SCAPE d={density:g}"
 
 
 def estimate(
@@ -207,7 +207,7 @@ def _scape(
     if run_steps is not None:
         run_s = sum(times[:run_steps]) + max(0, run_steps - span) * step.total_s
     return MethodEstimate(
-        name=scape_name(cfg.sparse_density),
+        name=scape_name(cfg.sparse_density, cfg.wire_format),
         density=cfg.sparse_density,
         bytes_per_step=sum(s.bytes_sent(W) for s in steady) / len(steady),
         step=step,
