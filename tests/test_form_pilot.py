@@ -158,3 +158,14 @@ def test_a_checkpoint_resumes_the_chosen_form_and_continues_bitwise(monkeypatch:
     for r in range(2):
         for a, b in zip(whole[r]["params"], again[r]["params"], strict=True):
             assert torch.equal(a, b)
+
+
+def test_a_fixed_form_resumes_whether_its_wire_format_is_spelled_out_or_not() -> None:
+    from lightning_scape.engine.state import check_config
+
+    saved = ScapeConfig(density=0.05, wire_format="full").to_dict()  # as a state saved before forms were chosen
+    check_config(ScapeConfig(density=0.05), saved)
+    check_config(ScapeConfig(wire_format="full"), ScapeConfig(density=0.01).to_dict())
+    # The former defaults (fp32, d = 0.01) are a fixed form: the new defaults, which choose, are another one.
+    with pytest.raises(ValueError, match=r"density.*wire_format"):
+        check_config(ScapeConfig(), ScapeConfig(density=0.01, wire_format="full").to_dict())

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_scape.adams import state_dtype_for
-from lightning_scape.config import ScapeConfig
+from lightning_scape.config import FIXED_FORM_DENSITY, ScapeConfig
 from lightning_scape.engine import form_switch, joining
 from lightning_scape.engine.layout import Bucket, ParamPlace
 from lightning_scape.engine.waiting import WaitingBucket
@@ -587,10 +587,19 @@ def config_changes(config: ScapeConfig, saved: Mapping[str, Any]) -> dict[str, t
 
     ``collective_timeout_s`` and ``resume_with_new_config`` are left out: they never keep a state from loading.
     """
-    mine = config.to_dict()
+    mine = _fixed_form_spelled_out(config.to_dict())
     # A field added since the state was saved was at its default then.
-    before = {**ScapeConfig().to_dict(), **saved}
+    before = _fixed_form_spelled_out({**ScapeConfig().to_dict(), **saved})
     return {k: (before[k], v) for k, v in mine.items() if k not in _RESUMABLE_CHANGES and before[k] != v}
+
+
+def _fixed_form_spelled_out(fields: dict[str, Any]) -> dict[str, Any]:
+    """A fixed form with its wire format or density left out, as ``ScapeConfig`` reads it (``"full"``, 0.01), so
+    that ``density=0.05`` resumes a state saved with ``density=0.05, wire_format="full"`` and the other way round."""
+    if fields["density"] is None and fields["wire_format"] is None:
+        return fields  # SCAPE chooses the form
+    density = fields["density"] if fields["density"] is not None else FIXED_FORM_DENSITY
+    return {**fields, "wire_format": fields["wire_format"] or "full", "density": density}
 
 
 def check_config(config: ScapeConfig, saved: Mapping[str, Any]) -> None:
