@@ -16,7 +16,7 @@ this size; weight decay 0.1 on the matrices), a cosine schedule with a 5% linear
 method starts from the same weights and sees the same batches:
 
 - ``ddp_adams``: DDP + AdamS, every gradient all-reduced every step (SCAPE's engine held dense: the yardstick);
-- ``scape_default``: SCAPE at the package's defaults (d = 0.01);
+- ``scape_default``: SCAPE at fp32 and d = 0.01 (the former default form; the rest of the package's defaults);
 - ``scape_int8_d0.025``: the int8 wire at d = 0.025.
 
 The schedules scale with the run: at 1000 steps (the default) SCAPE's are exactly the package's defaults (30 dense
