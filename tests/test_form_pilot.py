@@ -20,6 +20,7 @@ from lightning_scape.planning.forms import FP32_DENSE, INT8_DENSE, Form
 from lightning_scape.planning.network import Cluster, Link
 from lightning_scape.planning.traffic import parameter_groups, scape_layout
 from lightning_scape.pytorch.monitors import form_metrics
+from lightning_scape.wiring import run_summary
 
 CONFIG = ScapeConfig(chunk_size=64, dense_warmup_steps=4, density_ramp_steps=3)  # SCAPE chooses the form
 SLOW, FAST = Link(1e5, 0.0, 1.0), Link(1e13, 0.0, 1.0)
@@ -146,6 +147,9 @@ def test_a_checkpoint_resumes_the_chosen_form_and_continues_bitwise(monkeypatch:
         engine.optimizer.load_state_dict(engine.optimizer.state_dict())
         engine.load_state_dict(first["state"])
         assert engine.config.wire_format == "int8" and not engine.in_warmup
+        assert isinstance(engine.pilot, GivenLink) and engine.pilot.switches == [(5, Form("int8", 0.01))]
+        summary = run_summary.describe_steps(engine)  # the switches come with the checkpoint
+        assert summary.startswith("9, in the forms SCAPE chose: fp32 dense 1-5; int8 d=0.01 6-9")
         for step in range(9, 14):
             x, y = random_batch(100 * step + rank, 8, torch.float64)
             torch.nn.functional.mse_loss(model(x), y).backward()

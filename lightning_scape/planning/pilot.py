@@ -103,7 +103,8 @@ class FormPilot:
     def __init__(self, on_decision: Callable[[Decision], None] | None = None) -> None:
         self.form: Form = FP32_DENSE
         self.compute_s: dict[Form, float] = {}
-        self.decisions: list[Decision] = []
+        self.decisions: list[Decision] = []  # this process's, with their predictions
+        self.switches: list[tuple[int, Form]] = []  # the run's (kept in checkpoints): after which step, to which form
         self.on_decision = on_decision
         self.last_decision_step: int | None = None
         self._samples: list[float] = []
@@ -155,6 +156,7 @@ class FormPilot:
         if chosen != self.form:
             switch_form(engine, chosen.config(base.start_form(), engine.step_count))
             self.form = chosen
+            self.switches.append((engine.step_count, chosen))
             self._samples = []
         self._report(engine, decision)
         return decision
@@ -190,11 +192,12 @@ class FormPilot:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The form in use, the measured compute of each form, and the step of the last decision."""
+        """The form in use, the measured compute of each form, the step of the last decision and the switches."""
         return {
             "form": _form_dict(self.form),
             "compute_s": [[_form_dict(f), s] for f, s in self.compute_s.items()],
             "last_decision_step": self.last_decision_step,
+            "switches": [[step, _form_dict(f)] for step, f in self.switches],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -202,6 +205,7 @@ class FormPilot:
         self.form = Form(**state["form"])
         self.compute_s = {Form(**f): float(s) for f, s in state["compute_s"]}
         self.last_decision_step = state["last_decision_step"]
+        self.switches = [(int(step), Form(**f)) for step, f in state.get("switches", [])]
         self._samples, self._last = [], None
 
 

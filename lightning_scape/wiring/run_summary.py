@@ -87,13 +87,13 @@ def describe_steps(engine: ScapeEngine) -> str:
     pilot = engine.pilot
     if not isinstance(pilot, FormPilot):
         return describe_phases(engine.config, engine.step_count)
-    spans = [(0, FP32_DENSE)] + [(d.step, d.chosen) for d in pilot.decisions if d.chosen != d.before]
+    spans = [(0, FP32_DENSE), *pilot.switches]
     ends = [start for start, _ in spans[1:]] + [engine.step_count]
     parts = []
     for (start, form), end in zip(spans, ends, strict=True):
         ramp = "" if form.dense else f" (through a {engine.config.density_ramp_steps}-step density ramp)"
         parts.append(f"{form.name} {start + 1}-{end}{ramp}")
-    if not pilot.decisions:
+    if pilot.last_decision_step is None:
         parts[-1] += ", measuring the link"
     return f"{engine.step_count}, in the forms SCAPE chose: " + "; ".join(parts)
 
