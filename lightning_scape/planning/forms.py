@@ -6,7 +6,7 @@ the steps it needs to reach that loss, as a multiple of dense AdamS's (:data:`ST
 time-to-loss benchmark: ``docs/benchmarks.md``). The step time is the planning model's
 (:func:`~lightning_scape.planning.predict.step_time`) for the form's collectives on the engine's own layout,
 with the compute measured in the run and the link measured by timed all-gathers (:func:`link_from_probe`).
-The engine's :mod:`~lightning_scape.engine.form_pilot` measures and switches; ``lightning-scape estimate``
+The form pilot (:mod:`~lightning_scape.planning.pilot`) measures and switches; ``lightning-scape estimate``
 predicts the same choice offline. ``docs/self_driving.md`` has the rule and its measurements.
 """
 
