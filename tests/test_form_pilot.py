@@ -83,12 +83,24 @@ class GivenLink(pilot.FormPilot):
         return tuple(8 * all_gather_bytes(n, 4, engine.world_size) / link.bandwidth_bps for n in size)  # type: ignore[return-value]
 
 
-def _run(rank: int, comm: Communicator, links: list[Link], steps: int, int8_dense_s: float | None = None) -> Any:
+def _run(
+    rank: int, comm: Communicator, links: list[Link], steps: int, int8_dense_s: float | None = None, fold: bool = False
+) -> Any:
+    """``steps`` steps of the tiny net under a pilot that reads ``links``; with ``fold``, at the first fp32 dense step
+    after sparse ones, this rank's residual plus gradient and the norm of the step's averaged gradient."""
     model = make_net(0, torch.float64)
     engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), CONFIG, comm, form_pilot=GivenLink(links, int8_dense_s))
+    folded: dict[str, Any] = {}
     for step in range(steps):
         x, y = random_batch(100 * step + rank, 8, torch.float64)
+        live = any(bs.residual_live for bs in engine.buckets)
+        watch = fold and not folded and engine.in_warmup and engine.config.wire_format == "full" and live
+        residual = torch.cat([bs.residual.clone() for bs in engine.buckets])  # before the backward's launches
         torch.nn.functional.mse_loss(model(x), y).backward()
+        if watch:
+            folded["grad"] = torch.cat([bs.grads.clone() for bs in engine.buckets])
+            folded["owed"] = residual + folded["grad"]
+            folded["norm"] = engine.global_grad_norm()
         engine.step()
         engine.zero_grad()
     engine.close()
@@ -98,6 +110,7 @@ def _run(rank: int, comm: Communicator, links: list[Link], steps: int, int8_dens
         "chosen": [(d.step, d.chosen.name) for d in engine.pilot.decisions],
         "residual": [bs.residual.clone() for bs in engine.buckets],
         "probe_bytes": engine.counters.total_sent["probe"],
+        "folded": folded,
         "metrics": form_metrics(engine),
         "state": engine.state_dict(),
     }
@@ -124,9 +137,15 @@ def test_it_goes_sparse_on_a_slow_link_and_dense_again_when_the_link_is_fast(mon
 
 def test_turning_dense_after_sparse_steps_sends_the_residual_and_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
-    ranks = simulate(2, lambda rank, comm: _run(rank, comm, [SLOW, SLOW, FAST], 18, int8_dense_s=5e-3))
+    ranks = simulate(2, lambda rank, comm: _run(rank, comm, [SLOW, SLOW, FAST], 18, int8_dense_s=5e-3, fold=True))
     assert ranks[0]["chosen"][2] == (17, "fp32 dense")
-    # The fp32 dense step after the sparse ones sent what they had left in the residual with its gradient.
+    # The fp32 dense step after the sparse ones averaged every rank's residual with its gradient, and left the
+    # residuals empty: what the sparse steps had not sent was sent, not dropped.
+    owed = sum(r["folded"]["owed"] for r in ranks) / 2
+    grads = sum(r["folded"]["grad"] for r in ranks) / 2
+    for r in ranks:
+        assert r["folded"]["norm"] == pytest.approx(float(owed.norm()), rel=1e-6)
+    assert float(grads.norm()) != pytest.approx(float(owed.norm()), rel=1e-3)  # the residual was not empty
     assert all(not r.any() for rank in ranks for r in rank["residual"])
     for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(a, b)
@@ -144,7 +163,6 @@ def test_a_checkpoint_resumes_the_chosen_form_and_continues_bitwise(monkeypatch:
                 p.copy_(q)
         engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), CONFIG, comm, sync_params=False,
                              form_pilot=GivenLink([SLOW]))  # fmt: skip
-        engine.optimizer.load_state_dict(engine.optimizer.state_dict())
         engine.load_state_dict(first["state"])
         assert engine.config.wire_format == "int8" and not engine.in_warmup
         assert isinstance(engine.pilot, GivenLink) and engine.pilot.switches == [(5, Form("int8", 0.01))]

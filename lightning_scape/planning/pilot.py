@@ -157,7 +157,6 @@ class FormPilot:
             switch_form(engine, chosen.config(base.start_form(), engine.step_count))
             self.form = chosen
             self.switches.append((engine.step_count, chosen))
-            self._samples = []
         self._report(engine, decision)
         return decision
 
@@ -166,10 +165,9 @@ class FormPilot:
     def _measure(self, engine: ScapeEngine) -> tuple[float, Link]:
         """This form's compute and the link, each the mean over the ranks (so every rank decides alike)."""
         compute = self._compute(self._samples)
-        self._samples = []
+        self._samples = []  # the next decision measures the steps after this one
         small, large = self._probe_times(engine)
-        device = engine.buckets[0].params.device if engine.buckets else torch.device("cpu")
-        local = torch.tensor([compute, small, large], dtype=torch.float64, device=device)
+        local = torch.tensor([compute, small, large], dtype=torch.float64, device=_device(engine))
         engine.wire.wait(engine.wire.all_reduce_sum("probe", local))
         compute, small, large = (float(x) / engine.world_size for x in local.cpu())
         link = forms.link_from_probe(PROBE_SMALL_NUMEL, small, PROBE_LARGE_NUMEL, large, engine.world_size)
@@ -213,10 +211,15 @@ def _form_dict(form: Form) -> dict[str, Any]:
     return {"wire_format": form.wire_format, "density": form.density}
 
 
+def _device(engine: ScapeEngine) -> torch.device:
+    """Where the engine's buckets live (the collectives' tensors must be there: NCCL takes CUDA tensors only)."""
+    return engine.buckets[0].params.device if engine.buckets else torch.device("cpu")
+
+
 def _probe(engine: ScapeEngine, numel: int) -> float:
     """The fastest of :data:`PROBE_REPEATS` timed all-gathers of ``numel`` fp32 elements per rank (counted as
     ``"probe"`` traffic)."""
-    device = engine.buckets[0].params.device if engine.buckets else torch.device("cpu")
+    device = _device(engine)
     send = torch.ones(numel, dtype=torch.float32, device=device)
     out = torch.empty(numel * engine.world_size, dtype=torch.float32, device=device)
     best = float("inf")
