@@ -69,7 +69,9 @@ class ScapeConfig:
         sharded: True keeps momentum only for the shard this rank owns (ZeRO-1 memory: 4/W bytes per
             parameter) and sends reduce-scatter + parameter all-gather + mask indices. False keeps the
             full momentum on every rank and sends one all-reduce of the values, no parameters or
-            indices; use it when memory is plentiful.
+            indices; use it when memory is plentiful. Where SCAPE chooses the form, its fp32 dense steps are
+            DDP's even when sharded (the whole momentum on every rank, the gradient all-reduced during the
+            backward pass); it keeps only the shard while another form runs.
         dense_warmup_steps: Optimizer steps sent dense (as DDP + AdamS would) before the density ramp. The
             momentum built there seeds the first mask. At equal bytes, ramp steps buy more quality than
             dense ones (``docs/algorithm.md`` section 7): keep this short and the ramp long. 0 starts sparse

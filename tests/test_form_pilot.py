@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import torch
 from helpers import make_net, random_batch
+from torch import Tensor
 
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
-from lightning_scape.comm import Communicator
+from lightning_scape.comm import Communicator, Wire
 from lightning_scape.comm.wire import all_gather_bytes, all_reduce_bytes
 from lightning_scape.planning import forms, pilot
 from lightning_scape.planning.forms import FP32_DENSE, INT8_DENSE, Form
@@ -113,6 +114,8 @@ def _run(
         "folded": folded,
         "metrics": form_metrics(engine),
         "state": engine.state_dict(),
+        "ddp_form": [bs.dense_replica for bs in engine.buckets],
+        "momentum": [bs.momentum.clone() for bs in engine.buckets],
     }
 
 
@@ -149,6 +152,76 @@ def test_turning_dense_after_sparse_steps_sends_the_residual_and_loses_nothing(m
     assert all(not r.any() for rank in ranks for r in rank["residual"])
     for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(a, b)
+    assert all(all(r["ddp_form"]) for r in ranks)  # once the residual went out, the dense steps are DDP's again
+
+
+def _fixed_fp32_dense(rank: int, comm: Communicator, steps: int) -> list[Tensor]:
+    """The reference: the same steps in the fixed sharded form that sends every step dense in fp32."""
+    model = make_net(0, torch.float64)
+    config = ScapeConfig(chunk_size=64, wire_format="full", dense_warmup_steps=10**9)
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), config, comm)
+    for step in range(steps):
+        x, y = random_batch(100 * step + rank, 8, torch.float64)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        engine.step()
+        engine.zero_grad()
+    engine.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_on_a_fast_link_its_dense_steps_are_ddps_and_checkpoints_keep_the_shards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
+    gathers: list[str] = []
+    all_gather = Wire.all_gather
+
+    def counted(self: Wire, kind: Any, output: Tensor, input: Tensor) -> Any:
+        gathers.append(kind)
+        return all_gather(self, kind, output, input)
+
+    monkeypatch.setattr(Wire, "all_gather", counted)
+    ranks = simulate(2, lambda rank, comm: _run(rank, comm, [FAST], 12))
+    assert [name for _, name in ranks[0]["chosen"]] == ["fp32 dense", "fp32 dense"]
+    # Every rank holds the whole momentum, the same, and no dense step gathered parameters: each all-reduced its
+    # gradient and updated every coordinate, as DDP + AdamS does.
+    assert all(all(r["ddp_form"]) for r in ranks) and "dense" not in gathers
+    saved = [bucket["momentum"] for bucket in ranks[0]["state"]["buckets"]]
+    for a, b, shard in zip(ranks[0]["momentum"], ranks[1]["momentum"], saved, strict=True):
+        assert a.numel() == 2 * shard.numel() and torch.equal(a, b)
+    # The same steps as the sharded dense form's (W = 2, float64: bitwise).
+    reference = simulate(2, lambda rank, comm: _fixed_fp32_dense(rank, comm, 12))
+    for r in range(2):
+        for a, b in zip(ranks[r]["params"], reference[r], strict=True):
+            assert torch.equal(a, b)
+    # A checkpoint holds each rank's shard, as a sharded engine's does, and resumes bitwise.
+    for r in range(2):
+        for bucket, whole in zip(ranks[r]["state"]["buckets"], ranks[r]["momentum"], strict=True):
+            n = bucket["momentum"].numel()
+            assert torch.equal(bucket["momentum"], whole[r * n : (r + 1) * n])
+
+    def resumed(rank: int, comm: Communicator) -> list[Tensor]:
+        first = _run(rank, comm, [FAST], 8)
+        model = make_net(0, torch.float64)
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), first["params"], strict=True):
+                p.copy_(q)
+        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), CONFIG, comm, sync_params=False,
+                             form_pilot=GivenLink([FAST]))  # fmt: skip
+        engine.load_state_dict(first["state"])
+        for step in range(8, 12):
+            x, y = random_batch(100 * step + rank, 8, torch.float64)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            engine.step()
+            engine.zero_grad()
+        assert all(bs.dense_replica for bs in engine.buckets)
+        engine.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    again = simulate(2, resumed)
+    for r in range(2):
+        for a, b in zip(ranks[r]["params"], again[r], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_checkpoint_resumes_the_chosen_form_and_continues_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -224,7 +224,7 @@ def test_recommendation_follows_the_link() -> None:
 
 
 @pytest.mark.parametrize(
-    ("bps", "form"), [(1e8, "int8 d=0.01"), (2e9, "int8 d=0.025"), (2e10, "int8 dense"), (1e12, "fp32 dense")]
+    ("bps", "form"), [(1e8, "int8 d=0.01"), (2e9, "int8 d=0.025"), (1e10, "int8 dense"), (1e12, "fp32 dense")]
 )
 def test_with_the_defaults_it_says_which_form_the_run_would_choose_and_how_to_fix_it(bps: float, form: str) -> None:
     est = _estimate(bps=bps, config=ScapeConfig())
@@ -286,6 +286,27 @@ def test_memory_worked_by_hand() -> None:
     assert mem.buffers == compact + max(2 * 8 * 41 * 2, 8192 * 4)  # 2 masks, or the warm-up's gradient shard
     # The optimizer part is what a checkpoint's rank file holds (docs/lightning.md): 4 + 8/W bytes per parameter.
     assert mem.optimizer / 32768 == 4 + 8 / 4
+
+
+def test_memory_of_the_defaults_holds_every_momentum_as_their_ddp_form_does() -> None:
+    """The same model with SCAPE choosing its form: its fp32 dense steps hold the whole momentum on every rank."""
+    cfg = ScapeConfig()
+    mem = scape_memory(scape_layout(parameter_groups(numel=32768), 4, cfg.start_form()), cfg)
+    assert mem.optimizer == 32768 * 4 + 32768 * 4 + 8192 * 4  # residual, momentum; last-sent steps of the shard
+
+    def held(rank: int, comm: Communicator) -> tuple[int, int]:
+        model = _net()
+        engine = ScapeEngine(AdamS(_groups(model), lr=1e-3), ScapeConfig(chunk_size=64), comm)
+        tensors = [t for bs in engine.buckets for t in (bs.params, bs.grads, bs.residual, bs.momentum, bs.last_sent)]
+        layout = [bs.layout for bs in engine.buckets]
+        engine.close()
+        predicted = scape_memory(layout, ScapeConfig(chunk_size=64), rank)
+        return sum(
+            t.numel() * t.element_size() for t in tensors
+        ), predicted.params + predicted.grads + predicted.optimizer
+
+    for engine_bytes, predicted_bytes in simulate(2, held):
+        assert engine_bytes == predicted_bytes
 
 
 def test_memory_equals_the_engines_buffers() -> None:

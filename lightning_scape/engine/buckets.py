@@ -4,6 +4,10 @@ Rank and mode are fixed when the bucket is built. Sharded mode: this rank update
 *region* is the shard) and keeps momentum and last-sent steps only there. Replicated mode: every rank
 updates the whole bucket (the region is the bucket). The residual always covers the whole bucket: every
 rank keeps its own unsent gradient for every coordinate.
+
+A sharded bucket can take DDP's dense form for a while (:meth:`BucketState.replicate`): every rank holds the
+whole momentum, all-reduces the gradient during the backward pass and updates every parameter, so no parameter
+all-gather follows the step. Checkpoints keep the shard (:meth:`BucketState.home`), as in sharded mode.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ class BucketState:
         grads: ``[padded_numel]`` flat gradients; the parameters' ``.grad`` are views into it.
         residual: ``[padded_numel]`` error-feedback residual e (state dtype): this rank's unsent gradient.
         momentum: ``[region_numel]`` AdamS first moment of the region (state dtype).
-        last_sent: ``[region_numel]`` int32 step at which each coordinate of the region was last sent.
+        last_sent: ``[region_numel]`` int32 step at which each coordinate of the region was last sent (in DDP's
+            dense form, still the shard's).
         values: ``[slots]`` this rank's compact buffer of sent values. Replicated mode all-reduces it in
             place, so after the collective it holds the sums.
         received: ``[region_slots]`` sharded mode's reduce-scatter output: the sums of this rank's slots.
@@ -37,6 +42,8 @@ class BucketState:
             views of that size into buffers allocated once for the largest k of the run.
         first_step: The engine's step count when the bucket joined (0: from the start); AdamS's bias
             corrections count the bucket's steps from it, as Adam counts each parameter's.
+        dense_replica: A sharded bucket in DDP's dense form (:meth:`replicate`): replicated until
+            :meth:`unreplicate`.
     """
 
     def __init__(self, layout: Bucket, config: ScapeConfig, rank: int) -> None:
@@ -62,11 +69,34 @@ class BucketState:
         self._gathered = torch.zeros(layout.chunks * cap, dtype=dt, device=dev) if self.sharded else None
         self.dense_shard: Tensor | None = None
         self.first_step = 0
+        self.dense_replica = False
         self.int8_wire = config.wire_format == "int8"
         # Whether the residual may hold gradient not sent yet: sparse steps and the int8 wire leave it there, and
         # an fp32 dense step then sends it with its gradient (StepInFlight), so that no mass is lost.
         self.residual_live = False
         self.dense_int8_group = int8_dense_group(layout.shard_numel)  # int8 wire: coordinates per scale
+
+    def replicate(self, momentum: Tensor) -> None:
+        """Take DDP's dense form: ``momentum`` is the whole bucket's (every owner's shard, all-gathered), and the
+        region becomes the bucket. Only between dense steps, with no unsent gradient in the residual (the dense
+        steps of this form borrow its memory, as replicated mode's do)."""
+        assert self.sharded and not self.residual_live, "replicate a sharded bucket whose residual is empty"
+        self.momentum = momentum  # the last-sent steps stay the shard's: only sparse steps read them
+        self.region = slice(0, self.layout.padded_numel)
+        self.sharded, self.dense_replica, self.dense_shard = False, True, None
+
+    def unreplicate(self) -> None:
+        """Back from DDP's dense form to the shard: keep this rank's part of the momentum (no collective)."""
+        if not self.dense_replica:
+            return
+        self.momentum = self.home(self.momentum).clone()
+        self.region = self.shard
+        self.sharded, self.dense_replica = True, False
+
+    def home(self, momentum: Tensor) -> Tensor:
+        """The momentum in the layout the bucket was built with (what checkpoints keep): the shard's part in DDP's
+        dense form, else itself."""
+        return momentum[self.shard] if self.dense_replica else momentum
 
     @property
     def slots(self) -> int:

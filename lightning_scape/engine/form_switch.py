@@ -7,12 +7,21 @@ leave what they did not send in the residual, and the next fp32 dense step sends
 (:attr:`~lightning_scape.engine.buckets.BucketState.residual_live`). Replicas stay identical: every rank switches
 after the same step, from the same (all-reduced) measurements. A sparse form starts with the configured density
 ramp, as after the warm-up; a dense form drops the masks in flight.
+
+Where the pilot takes fp32 dense steps, a sharded engine takes them in DDP's form once it can
+(:func:`take_ddp_form`): every rank holds the whole momentum, the gradient is all-reduced during the backward pass
+and every rank updates every parameter, so the step ends without the parameter all-gather that sharded dense steps
+wait for. It holds DDP + AdamS's optimizer memory (the momentum of every parameter, half of DDP + AdamW's) while
+it runs, and gives the other ranks' shards back at the next switch, checkpoint load or new parameters
+(:func:`shard_again`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 from lightning_scape.config import ScapeConfig
 
@@ -73,6 +82,8 @@ def switch_form(engine: ScapeEngine, config: ScapeConfig) -> None:
             "residual's memory, which still holds gradient not sent. Use sharded=True."
         )
     engine.masks.drop()
+    shard_again(engine)
+    engine.ddp_dense = False
     use_config(engine, config)
     if engine.step_count == config.dense_steps:  # else the last dense step of its ramp does this
         end_dense_steps(engine, engine.step_count)
@@ -85,3 +96,35 @@ def end_dense_steps(engine: ScapeEngine, step: int) -> None:
         bs.dense_shard = None
         bs.last_sent.fill_(step)
     engine.masks.begin()
+
+
+def take_ddp_form(engine: ScapeEngine, fresh: bool = False) -> None:
+    """After a dense step: if the pilot takes fp32 dense steps (``engine.ddp_dense``), make every bucket whole on
+    every rank (one all-gather of each bucket's momentum, counted as ``"dense"`` traffic) so that the next steps
+    run as DDP's. Waits while a bucket's residual still holds gradient that an fp32 dense step must send first
+    (the first one after sparse or int8 steps does, sharded). Every rank must call this after the same step.
+
+    Args:
+        engine: The engine.
+        fresh: At construction: the momentum is zero everywhere, so nothing is gathered.
+    """
+    buckets = engine.buckets
+    cfg = engine.config
+    wanted = engine.ddp_dense and cfg.wire_format == "full" and cfg.dense_steps > engine.step_count
+    if not wanted or engine.world_size == 1 or not all(bs.sharded for bs in buckets):
+        return
+    if any(bs.residual_live for bs in buckets):
+        return
+    whole = [torch.zeros(bs.layout.padded_numel, dtype=bs.momentum.dtype, device=bs.momentum.device) for bs in buckets]
+    if not fresh:
+        gathers = [engine.wire.all_gather("dense", w, bs.momentum) for bs, w in zip(buckets, whole, strict=True)]
+        for pending in gathers:
+            engine.wire.wait(pending)
+    for bs, w in zip(buckets, whole, strict=True):
+        bs.replicate(w)
+
+
+def shard_again(engine: ScapeEngine) -> None:
+    """Leave DDP's dense form: every bucket keeps its shard of the momentum (no collective)."""
+    for bs in engine.buckets:
+        bs.unreplicate()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_scape.engine import form_switch
 from lightning_scape.engine.buckets import BucketState
 from lightning_scape.engine.layout import Bucket, build_buckets
 from lightning_scape.engine.waiting import SavedMasks, WaitingBucket
@@ -117,6 +118,7 @@ def join_trainable_params(engine: ScapeEngine) -> int:
             "its optimizer step, so their gradients of this step were never sent. Unfreeze them or add their param "
             "group between steps (Lightning's BaseFinetuning does it at the start of an epoch)."
         )
+    form_switch.shard_again(engine)  # the new buckets are sharded: the pilot's next dense step gathers them all
     engine.waiting = [w for w in engine.waiting if w not in woken]
     new = bind(engine, [w.layout for w in woken] + layouts)
     restored, fresh = new[: len(woken)], new[len(woken) :]

@@ -124,6 +124,8 @@ class ScapeEngine:
         self.grads_written_after_send = False  # param.grad changed after the last step sent it (no effect)
         self.last_used_masks: list[Tensor] | None = None  # per bucket, the mask of the last sparse step
         self._step: StepInFlight | None = None
+        self.ddp_dense = self.pilot is not None  # fp32 dense steps in DDP's form: the pilot's (form_switch)
+        form_switch.take_ddp_form(self, fresh=True)
         if cfg.dense_steps == 0:
             self.masks.begin()
 
@@ -209,10 +211,11 @@ class ScapeEngine:
         for pending in gathers:
             if pending is not None:
                 self.wire.wait(pending)
-        # 6. After the last dense step: every coordinate counts as sent, and the first masks are built.
+        # 6. After the last dense step: the first masks; in the pilot's fp32 dense form, the next steps are DDP's.
         self._close_step(step, applied=True)
         if step.step == self.config.dense_steps:
             form_switch.end_dense_steps(self, step.step)
+        form_switch.take_ddp_form(self)
 
     def _sparse_step(self, step: StepInFlight, max_grad_norm: float | None, clip_value: float | None) -> None:
         """A sparse step at the one-step-delayed mask, phase by phase."""

@@ -61,7 +61,7 @@ def engine_state(engine: ScapeEngine) -> dict[str, Any]:
         counters=engine.counters.state_dict(),
         buckets=[
             _bucket_state(
-                bs.momentum.clone(),
+                bs.home(bs.momentum).clone(),
                 bs.residual.clone(),
                 bs.last_sent.clone(),
                 masks=[m.indices.clone() for m in masks.queues[i]],
@@ -118,8 +118,8 @@ def _outline(
         peak_lr: Per param group, the peak learning rate.
         counters: The byte counters' state.
         buckets: Per bucket, :func:`_bucket_state`.
-        form: The form in use (``"form"``: its configuration) and its pilot's state (``"pilot"``, where SCAPE
-            chooses the form); default: ``engine``'s.
+        form: The form in use (``"form"``: its configuration) and, where SCAPE chooses the form, its pilot's state
+            (``"pilot"``) and whether its fp32 dense steps are DDP's (``"ddp_dense"``); default: ``engine``'s.
 
     Returns:
         The state, its keys in the order every saved state has them.
@@ -127,7 +127,7 @@ def _outline(
     if form is None:
         form = {"form": engine.config.to_dict()}
         if engine.pilot is not None:
-            form = {**form, "pilot": engine.pilot.state_dict()}
+            form = {**form, "pilot": engine.pilot.state_dict(), "ddp_dense": engine.ddp_dense}
     return {
         "version": STATE_VERSION,
         "config": engine.requested_config.to_dict(),
@@ -205,6 +205,7 @@ def load_engine_state(engine: ScapeEngine, state: dict[str, Any]) -> None:
     state, when their parameters join next (:class:`~lightning_scape.engine.waiting.WaitingBucket`).
     """
     check_engine_state(engine, state)
+    form_switch.shard_again(engine)  # the state holds shards; the pilot's next dense step gathers them again
     pairing, waiting = _plan_load(engine, state)
     joining.unbind(engine, pairing.kept)
     form_switch.use_config(engine, saved_form(engine, state))
@@ -226,6 +227,7 @@ def load_engine_state(engine: ScapeEngine, state: dict[str, Any]) -> None:
     engine.counters.load_state_dict(state["counters"])
     if engine.pilot is not None and "pilot" in state:
         engine.pilot.load_state_dict(state["pilot"])
+        engine.ddp_dense = bool(state.get("ddp_dense", False))
     if state.get(RESHARDED_FROM) is not None:
         masks.restart(engine.step_count)
 
@@ -415,6 +417,7 @@ class StateResharder:
     def __init__(self, engine: ScapeEngine, saved_world_size: int) -> None:
         if not isinstance(saved_world_size, int) or saved_world_size < 1:
             raise ValueError(f"SCAPE state: saved world size {saved_world_size!r} is not a positive integer.")
+        form_switch.shard_again(engine)  # the new regions are shards, as the saved ones
         self.engine = engine
         self.saved_world_size = saved_world_size
         self._fed = 0
@@ -453,7 +456,7 @@ class StateResharder:
         if self._first is None:
             self._first = {k: state[k] for k in ("step_count", "refresh_count", "peak_lr")}
             self._first_steps = [int(b.get("first_step", 0)) for b in state["buckets"]]
-            self._form = {k: state[k] for k in ("form", "pilot") if k in state}
+            self._form = {k: state[k] for k in ("form", "pilot", "ddp_dense") if k in state}
             if int(state["step_count"]) >= saved_form(engine, state).dense_steps:
                 # Past the warm-up every coordinate has a last-sent step; the new padding gets the resume step.
                 for t in self._last_sent:

@@ -179,9 +179,11 @@ class StepInFlight:
             a = bs.residual + bs.grads if self.skip_nonfinite else bs.residual.add_(bs.grads)
             self.staged[i] = a if self.skip_nonfinite else None
             return self.wire.reduce_scatter_int8("dense", bs.dense_synced(), a, bs.dense_int8_group)
-        if self.config.sharded:
+        if bs.sharded:
             return self.wire.reduce_scatter_sum("dense", bs.dense_synced(), self._dense_source(i, bs))
-        total = bs.dense_synced()  # the residual's storage: a replicated form never turns dense after sparse steps
+        # The residual's storage: a replicated bucket never turns dense after sparse steps, and one in DDP's dense
+        # form took it only once it was empty (BucketState.replicate).
+        total = bs.dense_synced()
         total.copy_(bs.grads)
         return self.wire.all_reduce_sum("dense", total)
 
@@ -207,7 +209,7 @@ class StepInFlight:
             if not self.skip_nonfinite:  # else feedback.commit takes the rounding error back
                 feedback.keep_rounding_error(bs, mask)
             return pending
-        if self.config.sharded:
+        if bs.sharded:
             return self.wire.reduce_scatter_sum("values", bs.sparse_synced(), bs.values)
         return self.wire.all_reduce_sum("values", bs.values)
 
@@ -238,7 +240,7 @@ class StepInFlight:
         if self._squared_norm is None:
             squares = [g.float().square().sum() for g in self.synced_grads()]
             sq = torch.stack([s.to(torch.float64) for s in squares]).sum().reshape(1)
-            if self.config.sharded and self.wire.world_size > 1:
+            if self.buckets[0].sharded and self.wire.world_size > 1:  # every bucket is in the same mode
                 sq32 = sq.to(torch.float32)
                 self.wire.wait(self.wire.all_reduce_sum("scalars", sq32))
                 sq = sq32.to(torch.float64)

@@ -151,6 +151,8 @@ def predict(
     out = []
     for form in forms:
         cfg = form.config(base.start_form(), base.dense_warmup_steps)  # a sparse form: the ramp after the warm-up
+        if form == FP32_DENSE:
+            cfg = cfg.replace(sharded=False)  # the engine takes the chosen fp32 dense steps in DDP's form
         compute = StepCompute.from_total(max(compute_s.get(form, compute_s[start]), 1e-9))
         traffic = ScapeTraffic(layout, cfg)
         if form.dense:

@@ -66,7 +66,8 @@ def scape_memory(layout: Sequence[Bucket], config: ScapeConfig, rank: int = 0) -
 
     Args:
         layout: The engine's buckets (any device: they are rebuilt on the meta device).
-        config: The configuration.
+        config: The configuration; where it leaves the form to SCAPE, sized at the most it holds: the momentum of
+            every parameter, as its fp32 dense steps in DDP's form hold it (``docs/self_driving.md``).
         rank: The rank (every rank holds the same sizes).
     """
     totals = [0] * 6  # params, grads, optimizer state, compact buffers, masks, warm-up shard
@@ -82,7 +83,11 @@ def scape_memory(layout: Sequence[Bucket], config: ScapeConfig, rank: int = 0) -
 
 def _bucket_bytes(bucket: Bucket, config: ScapeConfig, rank: int) -> list[int]:
     """One bucket's params, grads, optimizer state, compact buffers, masks and warm-up shard, in bytes."""
+    ddp_form = config.chooses_form and config.sharded and bucket.world_size > 1  # its fp32 dense steps, replicated
+    config = config.start_form()
     bs = BucketState(dataclasses.replace(bucket, device=torch.device("meta")), config, rank)
+    if ddp_form:
+        bs.replicate(torch.zeros(bucket.padded_numel, dtype=bs.momentum.dtype, device="meta"))
     cap = config.max_slots(bucket.chunk_size)
     bs.k = cap  # the compact buffers are views of this size into buffers allocated for the largest k
     masks_held = config.mask_delay + 1  # the mask in use and the ones queued behind it

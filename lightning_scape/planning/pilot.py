@@ -157,6 +157,7 @@ class FormPilot:
             switch_form(engine, chosen.config(base.start_form(), engine.step_count))
             self.form = chosen
             self.switches.append((engine.step_count, chosen))
+        engine.ddp_dense = self.form == FP32_DENSE
         self._report(engine, decision)
         return decision
 
