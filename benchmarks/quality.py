@@ -58,7 +58,7 @@ from lightning_scape.examples.workloads import (
     validation_loss,
 )
 from lightning_scape.planning.network import Cluster, Collective, Link
-from lightning_scape.planning.pilot import PROBE_LARGE_NUMEL, PROBE_SMALL_NUMEL
+from lightning_scape.planning.pilot import PROBE_LARGE_NUMEL, PROBE_SMALL_NUMEL, timed_gather
 
 DENSE = "dense"
 WORLD_SIZE = 2
@@ -114,6 +114,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # The package's defaults (SCAPE chooses the form), with the link its pilot measures read as 100 Mbit/s
     # (the simulated ranks' own link is memory): the form a run on that link takes, and its quality.
     "auto_100mbit": {"density": None},
+    # The defaults on a link read as 1 Gbit/s until step 300, 100 Mbit/s after: sparse steps chosen mid-run, after
+    # dense ones; with the ramp's dense steps skipped (as the pilot does) and, for comparison, the whole ramp again.
+    "auto_1gbit_then_100mbit": {"density": None},
+    "auto_1gbit_then_100mbit_whole_ramp": {"density": None},
     # The learning rate of the sparse steps (the package has no such option; the benchmark scales the cosine).
     "sparse_lr1.5": _W100_R200,
     "sparse_lr2": _W100_R200,
@@ -171,21 +175,37 @@ def scape_config(name: str) -> ScapeConfig:
 
 
 # The links the form pilot of an "auto_*" configuration reads instead of timing its probes (bits per second).
-GIVEN_LINKS: dict[str, Link] = {"auto_100mbit": Link(95e6, 50e-6, 1.0)}
+# The link from each step on: ``{0: link}`` for a link that does not change.
+_SLOW_LINK, _FAST_LINK = Link(95e6, 50e-6, 1.0), Link(950e6, 50e-6, 1.0)
+GIVEN_LINKS: dict[str, dict[int, Link]] = {
+    "auto_100mbit": {0: _SLOW_LINK},
+    "auto_1gbit_then_100mbit": {0: _FAST_LINK, 300: _SLOW_LINK},
+    "auto_1gbit_then_100mbit_whole_ramp": {0: _FAST_LINK, 300: _SLOW_LINK},
+}
 
 
 class GivenLinkPilot(FormPilot):
-    """The package's form pilot, its probes sent but their times those of ``link``; the compute is measured."""
+    """The package's form pilot, its probes sent but their times those of ``links`` (the link from each step on);
+    the compute is measured. ``whole_ramp``: a sparse form chosen after dense steps runs its whole density ramp."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, links: dict[int, Link], whole_ramp: bool = False) -> None:
         super().__init__(on_decision=lambda decision: None)
-        self.link = link
+        self.links = links
+        self.whole_ramp = whole_ramp
 
-    def _probe_times(self, engine: ScapeEngine) -> tuple[float, float]:
-        super()._probe_times(engine)
-        cluster = Cluster(engine.world_size, 1, self.link)
+    def _step_time(self, samples: list[float]) -> float | None:
+        return None  # the simulated ranks' link is memory: the form in use is predicted at the given link too
+
+    def _dense_since(self, base: ScapeConfig) -> int | None:
+        return None if self.whole_ramp else super()._dense_since(base)
+
+    def _probe_times(self, engine: ScapeEngine) -> tuple[float, int, float]:
+        for numel in (PROBE_SMALL_NUMEL, PROBE_LARGE_NUMEL):  # sent, not timed
+            timed_gather(engine, numel)
+        link = self.links[max(step for step in self.links if step <= engine.step_count)]
+        cluster = Cluster(engine.world_size, 1, link)
         small, large = (Collective("all_gather", "probe", n, 4) for n in (PROBE_SMALL_NUMEL, PROBE_LARGE_NUMEL))
-        return cluster.seconds(small), cluster.seconds(large)
+        return cluster.seconds(small), PROBE_LARGE_NUMEL, cluster.seconds(large)
 
 
 def eval_every(steps: int) -> int:
@@ -201,7 +221,7 @@ def train(rank: int, comm: Communicator, run: Run, tokens: tuple[torch.Tensor, t
     opt = adams_optimizer(model, PEAK_LR)
     config = scape_config(run.config)
     link = GIVEN_LINKS.get(run.config)
-    pilot = None if link is None else GivenLinkPilot(link)
+    pilot = None if link is None else GivenLinkPilot(link, whole_ramp=run.config.endswith("_whole_ramp"))
     engine = ScapeEngine(opt, config, comm, list(model.parameters()), form_pilot=pilot)
     lr_scale = SPARSE_LR_SCALE.get(run.config, 1.0)
     sparse_from = config.dense_steps if lr_scale != 1.0 else run.steps

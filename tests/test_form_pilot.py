@@ -77,20 +77,52 @@ class GivenLink(pilot.FormPilot):
     def _compute(self, samples: list[float]) -> float:
         return 1e-3
 
-    def _probe_times(self, engine: ScapeEngine) -> tuple[float, float]:
-        super()._probe_times(engine)
+    def _step_time(self, samples: list[float]) -> float | None:
+        return None  # predicted from the given link, as the other forms
+
+    def _probe_times(self, engine: ScapeEngine) -> tuple[float, int, float]:
+        sizes = (pilot.PROBE_SMALL_NUMEL, pilot.PROBE_LARGE_NUMEL)
+        for n in sizes:  # sent, not timed
+            pilot.timed_gather(engine, n)
         link = self.links[min(len(self.decisions), len(self.links) - 1)]
-        size = (pilot.PROBE_SMALL_NUMEL, pilot.PROBE_LARGE_NUMEL)
-        return tuple(8 * all_gather_bytes(n, 4, engine.world_size) / link.bandwidth_bps for n in size)  # type: ignore[return-value]
+        small, large = (8 * all_gather_bytes(n, 4, engine.world_size) / link.bandwidth_bps for n in sizes)
+        return small, pilot.PROBE_LARGE_NUMEL, large
+
+
+@pytest.mark.parametrize(("bps", "numel"), [(1e8, 1 << 18), (1e9, 1 << 20), (1e10, 1 << 24), (1e12, 1 << 24)])
+def test_on_a_fast_link_the_large_probe_grows_until_its_time_is_measurable(
+    monkeypatch: pytest.MonkeyPatch, bps: float, numel: int
+) -> None:
+    # 1 MB per rank takes 84 ms at 100 Mbit/s but 0.8 ms at 10 Gbit/s, where a millisecond of noise would halve the
+    # link: the probe grows 4x at a time until it takes 20 ms, its gathered output at most 2^25 elements.
+    def timed(engine: ScapeEngine, n: int) -> float:
+        return 8 * all_gather_bytes(n, 4, engine.world_size) / bps
+
+    monkeypatch.setattr(pilot, "timed_gather", timed)
+
+    def probe(rank: int, comm: Communicator) -> tuple[float, int, float]:
+        engine = ScapeEngine(AdamS(make_net(0, torch.float64).parameters()), CONFIG, comm)
+        return pilot.FormPilot()._probe_times(engine)
+
+    for small, n, large in simulate(2, probe):
+        assert n == numel
+        link = forms.link_from_probe(pilot.PROBE_SMALL_NUMEL, small, n, large, 2)
+        assert link.bandwidth_bps == pytest.approx(bps)
 
 
 def _run(
-    rank: int, comm: Communicator, links: list[Link], steps: int, int8_dense_s: float | None = None, fold: bool = False
+    rank: int,
+    comm: Communicator,
+    links: list[Link],
+    steps: int,
+    int8_dense_s: float | None = None,
+    fold: bool = False,
+    config: ScapeConfig = CONFIG,
 ) -> Any:
     """``steps`` steps of the tiny net under a pilot that reads ``links``; with ``fold``, at the first fp32 dense step
     after sparse ones, this rank's residual plus gradient and the norm of the step's averaged gradient."""
     model = make_net(0, torch.float64)
-    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), CONFIG, comm, form_pilot=GivenLink(links, int8_dense_s))
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), config, comm, form_pilot=GivenLink(links, int8_dense_s))
     folded: dict[str, Any] = {}
     for step in range(steps):
         x, y = random_batch(100 * step + rank, 8, torch.float64)
@@ -109,6 +141,8 @@ def _run(
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "chosen": [(d.step, d.chosen.name) for d in engine.pilot.decisions],
+        "measured": [d.compute_s is not None for d in engine.pilot.decisions],
+        "compute_of": sorted(f.name for f in engine.pilot.compute_s),
         "residual": [bs.residual.clone() for bs in engine.buckets],
         "probe_bytes": engine.counters.total_sent["probe"],
         "folded": folded,
@@ -126,16 +160,16 @@ def test_it_goes_sparse_on_a_slow_link_and_dense_again_when_the_link_is_fast(mon
     # RECHECK_STEPS, still slow: kept; then fast: every step dense.
     chosen = ranks[0]["chosen"]
     assert chosen[0][1].startswith("int8 d=") and chosen[1][1] == chosen[0][1] and chosen[2][1].endswith("dense")
-    assert [s for s, _ in chosen[:3]] == [5, 11, 17]  # at least 5 measured steps; the ramp ends at 5 + 3 + 2 settling
+    assert [s for s, _ in chosen[:3]] == [5, 11, 17]  # at least 5 measured steps, then every RECHECK_STEPS
     for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(a, b)  # every rank decided alike: the replicas stay identical
     metrics = ranks[0]["metrics"]  # CommunicationMonitor's view of the last decision: dense, at the fast link
     assert metrics["comm/form_density"] == 1.0 and metrics["comm/link_gbps"] == pytest.approx(1e4)
-    # Each decision: 2 timed gathers of each probe size, and one all-reduce of the three measurements (fp64).
+    # Each decision: 2 timed gathers of each probe size, and one all-reduce of the four measurements (fp64).
     one = pilot.PROBE_REPEATS * (
         all_gather_bytes(pilot.PROBE_SMALL_NUMEL, 4, 2) + all_gather_bytes(pilot.PROBE_LARGE_NUMEL, 4, 2)
     )
-    assert ranks[0]["probe_bytes"] == len(chosen) * (one + all_reduce_bytes(3, 8, 2))
+    assert ranks[0]["probe_bytes"] == len(chosen) * (one + all_reduce_bytes(4, 8, 2))
 
 
 def test_turning_dense_after_sparse_steps_sends_the_residual_and_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,6 +187,82 @@ def test_turning_dense_after_sparse_steps_sends_the_residual_and_loses_nothing(m
     for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(a, b)
     assert all(all(r["ddp_form"]) for r in ranks)  # once the residual went out, the dense steps are DDP's again
+
+
+def test_a_link_that_speeds_up_during_the_density_ramp_is_seen_at_the_next_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
+    config = CONFIG.replace(density_ramp_steps=40)  # the sparse form's ramp runs from step 5 to step 45
+    ranks = simulate(2, lambda rank, comm: _run(rank, comm, [SLOW, FAST], 14, 5e-3, fold=True, config=config))
+    chosen = ranks[0]["chosen"]
+    assert chosen[0][1].startswith("int8 d=") and chosen[1] == (11, "fp32 dense")
+    # The ramp's steps (dense ones among them) are not the sparse form's: its compute was not taken from them.
+    assert ranks[0]["measured"] == [True, False] and chosen[0][1] not in ranks[0]["compute_of"]
+    # The switch in the middle of the ramp loses nothing: the next fp32 dense step sent every residual.
+    owed = sum(r["folded"]["owed"] for r in ranks) / 2
+    assert all(r["folded"]["norm"] == pytest.approx(float(owed.norm()), rel=1e-6) for r in ranks)
+    assert all(not r.any() for rank in ranks for r in rank["residual"])
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_sparse_form_chosen_after_dense_steps_skips_the_ramps_dense_steps() -> None:
+    base = ScapeConfig().start_form()  # 30 warm-up steps; at d = 0.025 the 400-step ramp's first 150 are dense
+    fixed = ScapeConfig(wire_format="int8", density=0.025)
+    assert fixed.dense_steps == 180
+    form = Form("int8", 0.025)
+    # After 200 dense steps beyond the warm-up, the next step is the ramp's first sparse one, as a fixed form's 181st.
+    later = form.config(base, 230, dense_since=30)
+    assert later.dense_steps == 230 and later.ramp_density(231) == fixed.ramp_density(181)
+    assert later.dense_warmup_steps + later.density_ramp_steps == 230 + 250  # the ramp's sparse 250 steps
+    # The whole ramp: at the first decision (no dense steps beyond the warm-up), after sparse steps, and after a
+    # dense stretch shorter than the ramp's dense steps.
+    assert form.config(base, 30, dense_since=30).dense_warmup_steps == 30
+    assert form.config(base, 230).dense_warmup_steps == 230
+    assert form.config(base, 230, dense_since=100).dense_warmup_steps == 230
+
+
+def test_a_link_that_slows_after_dense_steps_turns_them_sparse_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
+    config = CONFIG.replace(density_ramp_steps=20)  # at d = 0.01 the ramp's first 6 steps are dense
+
+    def run(rank: int, comm: Communicator) -> Any:
+        out = _run(rank, comm, [FAST, SLOW], 11, config=config)
+        return out, simulate_step_is_sparse(out["state"])
+
+    def simulate_step_is_sparse(state: dict[str, Any]) -> bool:
+        form = ScapeConfig(**state["form"])
+        return form.dense_steps == state["step_count"]  # the next step is past the ramp's dense steps
+
+    ranks = simulate(2, run)
+    assert [c for _, c in ranks[0][0]["chosen"]] == ["fp32 dense", "int8 d=0.01"]
+    assert all(sparse_next for _, sparse_next in ranks)
+    for a, b in zip(ranks[0][0]["params"], ranks[1][0]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_form_in_use_is_judged_by_its_measured_step() -> None:
+    class MeasuredSlow(GivenLink):
+        def _step_time(self, samples: list[float]) -> float | None:
+            return 0.5  # the fp32 dense steps took 500 ms, where the model predicts about 1 ms on this link
+
+    def run(rank: int, comm: Communicator) -> list[pilot.Decision]:
+        model = make_net(0, torch.float64)
+        engine = ScapeEngine(AdamS(model.parameters()), CONFIG, comm, form_pilot=MeasuredSlow([FAST]))
+        for step in range(5):  # the first decision: after 5 measured steps
+            x, y = random_batch(100 * step + rank, 8, torch.float64)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            engine.step()
+            engine.zero_grad()
+        engine.close()
+        assert isinstance(engine.pilot, MeasuredSlow)
+        return engine.pilot.decisions
+
+    decision = simulate(2, run)[0][0]
+    measured = next(p for p in decision.predictions if p.form == FP32_DENSE)
+    assert measured.step_measured and measured.step_s == 0.5
+    assert decision.chosen == INT8_DENSE and "fp32 dense 500.0 ms x 1 steps = 500.0 (measured)" in decision.describe()
 
 
 def _fixed_fp32_dense(rank: int, comm: Communicator, steps: int) -> list[Tensor]:

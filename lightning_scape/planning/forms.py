@@ -57,15 +57,25 @@ class Form:
             return f'wire_format="{self.wire_format}", dense_warmup_steps=10**9'
         return f'wire_format="{self.wire_format}", density={self.density:g}'
 
-    def config(self, base: ScapeConfig, step: int) -> ScapeConfig:
+    def config(self, base: ScapeConfig, step: int, dense_since: int | None = None) -> ScapeConfig:
         """The engine's configuration for this form from after step ``step`` on: ``base``'s schedule and options,
         every later step dense, or a density ramp that starts after step ``step`` (the first decision: after the
-        warm-up, so the ramp is ``base``'s)."""
+        warm-up, so the ramp is ``base``'s).
+
+        ``dense_since``: every step after this one (and the warm-up) was dense (None: not so). A sparse form then
+        skips its ramp's dense steps where the run has taken at least as many since, and starts where its ramp turns
+        sparse: the run has had the dense steps a fixed form's schedule gives before its first sparse step, and its
+        momentum is warm. The first decision, right after the warm-up, keeps the whole ramp.
+        """
         if self.density is None:
             return base.replace(
                 wire_format=self.wire_format, density=AUTO_START_DENSITY, dense_warmup_steps=DENSE_FOREVER
             )
-        return base.replace(wire_format=self.wire_format, density=self.density, dense_warmup_steps=step)
+        sparse = base.replace(wire_format=self.wire_format, density=self.density, dense_warmup_steps=step)
+        ramp_began = step - (sparse.dense_steps - step)  # as if the ramp's dense steps were the ones just taken
+        if dense_since is not None and ramp_began >= dense_since:
+            return sparse.replace(dense_warmup_steps=ramp_began)
+        return sparse
 
 
 FP32_DENSE = Form("full")
@@ -99,12 +109,14 @@ class Prediction:
         step_s: Its step, seconds.
         steps_factor: Its steps to the same loss, as a multiple of dense AdamS's.
         compute_measured: Whether its compute was measured in this run (else the dense steps' is taken).
+        step_measured: Whether its step is the one measured in the run (the form in use) rather than predicted.
     """
 
     form: Form
     step_s: float
     steps_factor: float
     compute_measured: bool
+    step_measured: bool = False
 
     @property
     def time_to_loss(self) -> float:

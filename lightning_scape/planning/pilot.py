@@ -5,8 +5,8 @@ DDP + AdamS sends) and this pilot, after every step:
 
 1. measures the step's compute: its wall-clock less the time blocked on SCAPE's collectives;
 2. at a decision (the end of the dense warm-up, at least :data:`~lightning_scape.config.MIN_MEASURED_STEPS` steps;
-   then every :data:`RECHECK_STEPS` steps once any density ramp is
-   over), measures the link with timed all-gathers of two sizes
+   then every :data:`RECHECK_STEPS` steps, during a density ramp too), measures the link with timed all-gathers of
+   two sizes
    (:func:`~lightning_scape.planning.forms.link_from_probe`) and all-reduces both measurements, so that every
    rank holds the same numbers;
 3. predicts every form's time to the same loss (:func:`~lightning_scape.planning.forms.predict`) and takes the
@@ -15,12 +15,16 @@ DDP + AdamS sends) and this pilot, after every step:
 4. switches the engine (:func:`~lightning_scape.engine.form_switch.switch_form`) and reports the decision.
 
 A form's compute, once measured, is kept: a form that turned out slower than predicted (the int8 wire's rounding,
-a sparse step's mask selection) is predicted with its own compute from then on.
+a sparse step's mask selection) is predicted with its own compute from then on. The steps of a density ramp are
+not a sparse form's steps (its first ones are dense): they are left out of its compute, but a decision during the
+ramp still measures the link, so a link that changes then is seen within :data:`RECHECK_STEPS` steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_scape.config import MIN_MEASURED_STEPS
+from lightning_scape.config import MIN_MEASURED_STEPS, ScapeConfig
 from lightning_scape.engine.form_switch import switch_form
 from lightning_scape.planning import forms
 from lightning_scape.planning.forms import FP32_DENSE, Form, Prediction
@@ -40,8 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Steps between decisions once a form runs (and its ramp, if any, is over). A decision sends the probe's
-# all-gathers, 2.6 MB per rank at W = 2: about what 1% of a 100M-parameter model's gradient takes on the int8 wire.
+# Steps between decisions. On a slow link a decision sends the probe's all-gathers, 2.6 MB per rank at W = 2: about
+# what 1% of a 100M-parameter model's gradient takes on the int8 wire.
 RECHECK_STEPS = 200
 # The probe: all-gathers of this many fp32 elements per rank, each timed PROBE_REPEATS times, the fastest kept (a
 # probe can only be slowed by noise, never sped up). The bandwidth is read from their difference, so both are
@@ -49,6 +53,11 @@ RECHECK_STEPS = 200
 PROBE_SMALL_NUMEL = 1 << 16
 PROBE_LARGE_NUMEL = 1 << 18
 PROBE_REPEATS = 2
+# On a fast link the large probe grows 4x at a time until it takes PROBE_MIN_S (a millisecond of scheduling noise
+# would otherwise read as a slower link: 1 MB takes 0.8 ms at 10 Gbit/s), its gathered output at most
+# PROBE_MAX_OUTPUT elements (128 MB of fp32).
+PROBE_MIN_S = 0.02
+PROBE_MAX_OUTPUT = 1 << 25
 # The first steps of a form are left out of its compute: they compile kernels and fill buffers.
 SETTLING_STEPS = 2
 
@@ -60,7 +69,8 @@ class Decision:
     Attributes:
         step: The step after which it was taken.
         link: The measured link (all ranks' mean).
-        compute_s: The compute of the form in use (all ranks' mean of the per-rank medians).
+        compute_s: The compute of the form in use (all ranks' mean of the per-rank medians); None where none of its
+            steps since the previous decision was measured (all in its density ramp).
         predictions: Every candidate's prediction.
         before: The form in use until then.
         chosen: The form from the next step on.
@@ -68,7 +78,7 @@ class Decision:
 
     step: int
     link: Link
-    compute_s: float
+    compute_s: float | None
     predictions: tuple[Prediction, ...]
     before: Form
     chosen: Form
@@ -78,16 +88,17 @@ class Decision:
         rate = f"{self.link.bandwidth_bps / 1e9:.3g} Gbit/s, {1e6 * self.link.latency_s:.0f} us latency"
         cands = "; ".join(
             f"{p.form.name} {1e3 * p.step_s:.1f} ms x {p.steps_factor:g} steps = {1e3 * p.time_to_loss:.1f}"
-            + ("" if p.compute_measured else " (compute of the dense steps)")
+            + (" (measured)" if p.step_measured else "" if p.compute_measured else " (compute of the dense steps)")
             for p in sorted(self.predictions, key=lambda p: p.time_to_loss)
         )
         if self.chosen == self.before:
             verdict = f"keeps {self.chosen.name}: no form is predicted {forms.SWITCH_MARGIN:g}x faster to the same loss"
         else:
             verdict = f"switches from {self.before.name} to {self.chosen.name}, the fastest to the same loss"
+        compute = "not measured (density ramp)" if self.compute_s is None else f"{1e3 * self.compute_s:.1f} ms a step"
         return (
-            f"SCAPE after step {self.step} {verdict}. Measured: link {rate}; compute {1e3 * self.compute_s:.1f} ms a "
-            f"step. Predicted ms per step x steps to the same loss (against dense AdamS) = ms per step of progress: "
+            f"SCAPE after step {self.step} {verdict}. Measured: link {rate}; compute {compute}. Predicted ms per "
+            f"step x steps to the same loss (against dense AdamS) = ms per step of progress: "
             f"{cands}. Fix the form with ScapeStrategy({self.chosen.settings()})."
         )
 
@@ -107,7 +118,8 @@ class FormPilot:
         self.switches: list[tuple[int, Form]] = []  # the run's (kept in checkpoints): after which step, to which form
         self.on_decision = on_decision
         self.last_decision_step: int | None = None
-        self._samples: list[float] = []
+        self._samples: list[float] = []  # per step: its compute (wall-clock less the wait on SCAPE's collectives)
+        self._step_samples: list[float] = []  # per step: its wall-clock
         self._last: tuple[float, float] | None = None  # (clock, total wait) after the previous step
 
     # ------------------------------------------------------------------ the engine's hook
@@ -115,8 +127,9 @@ class FormPilot:
     def after_step(self, engine: ScapeEngine) -> None:
         """Measure the step; at a decision point, decide (every rank alike)."""
         now, waited = time.perf_counter(), engine.counters.total_wait_s
-        if self._last is not None:
-            self._samples.append((now - self._last[0]) - (waited - self._last[1]))
+        if self._last is not None and not self.in_ramp(engine):
+            self._step_samples.append(now - self._last[0])
+            self._samples.append(self._step_samples[-1] - (waited - self._last[1]))
         self._last = (now, waited)
         if engine.step_count < self.next_decision(engine):
             return
@@ -133,20 +146,27 @@ class FormPilot:
         """The step after which the next decision is taken."""
         if self.last_decision_step is None:
             return max(engine.requested_config.dense_warmup_steps, MIN_MEASURED_STEPS)
+        return self.last_decision_step + RECHECK_STEPS
+
+    def in_ramp(self, engine: ScapeEngine) -> bool:
+        """Whether the step just taken belongs to the density ramp of the sparse form in use."""
         cfg = engine.config
-        ramp_end = 0 if self.form.dense else cfg.dense_warmup_steps + cfg.density_ramp_steps
-        return max(self.last_decision_step + RECHECK_STEPS, ramp_end + SETTLING_STEPS + 1)
+        return not self.form.dense and engine.step_count <= cfg.dense_warmup_steps + cfg.density_ramp_steps
 
     def decide(self, engine: ScapeEngine) -> Decision:
         """Measure the link, predict every form, and switch the engine if one is clearly faster."""
-        compute, link = self._measure(engine)
-        self.compute_s[self.form] = compute
-        self.compute_s.setdefault(FP32_DENSE, compute)
+        compute, step, link = self._measure(engine)
+        if compute is not None:
+            self.compute_s[self.form] = compute
+            self.compute_s.setdefault(FP32_DENSE, compute)
         base = engine.requested_config
         candidates = forms.candidates(base.sharded)
         layout = [bs.layout for bs in engine.buckets]
         cluster = Cluster(engine.world_size, 1, link)
         predictions = forms.predict(candidates, layout, base, cluster, self.compute_s)
+        if step is not None:  # the form in use: its measured step, not the model's (overlap the model cannot see)
+            predictions = [dataclasses.replace(p, step_s=step, step_measured=True) if p.form == self.form else p
+                           for p in predictions]  # fmt: skip
         chosen = forms.choose(predictions, self.form)
         if not base.sharded and not self.form.dense:
             chosen = self.form  # a replicated engine cannot turn dense after sparse steps (form_switch)
@@ -154,33 +174,59 @@ class FormPilot:
         self.decisions.append(decision)
         self.last_decision_step = engine.step_count
         if chosen != self.form:
-            switch_form(engine, chosen.config(base.start_form(), engine.step_count))
-            self.form = chosen
-            self.switches.append((engine.step_count, chosen))
+            self._switch(engine, chosen)
         engine.ddp_dense = self.form == FP32_DENSE
         self._report(engine, decision)
         return decision
 
+    def _switch(self, engine: ScapeEngine, chosen: Form) -> None:
+        """Take ``chosen`` from the next step on; after a dense stretch, a sparse form's ramp skips the dense steps
+        the run has just had (:meth:`~lightning_scape.planning.forms.Form.config`)."""
+        base = engine.requested_config
+        switch_form(engine, chosen.config(base.start_form(), engine.step_count, self._dense_since(base)))
+        self.form = chosen
+        self.switches.append((engine.step_count, chosen))
+
+    def _dense_since(self, base: ScapeConfig) -> int | None:
+        """The step after which every step was dense (the warm-up's end at the earliest); None: the form in use is
+        sparse."""
+        last_switch = self.switches[-1][0] if self.switches else 0
+        return max(last_switch, base.dense_warmup_steps) if self.form.dense else None
+
     # ------------------------------------------------------------------ measurements
 
-    def _measure(self, engine: ScapeEngine) -> tuple[float, Link]:
-        """This form's compute and the link, each the mean over the ranks (so every rank decides alike)."""
-        compute = self._compute(self._samples)
-        self._samples = []  # the next decision measures the steps after this one
-        small, large = self._probe_times(engine)
-        local = torch.tensor([compute, small, large], dtype=torch.float64, device=_device(engine))
-        engine.wire.wait(engine.wire.all_reduce_sum("probe", local))
-        compute, small, large = (float(x) / engine.world_size for x in local.cpu())
-        link = forms.link_from_probe(PROBE_SMALL_NUMEL, small, PROBE_LARGE_NUMEL, large, engine.world_size)
-        return compute, link
+    def _measure(self, engine: ScapeEngine) -> tuple[float | None, float | None, Link]:
+        """This form's compute and step (None: no step of it measured since the last decision; alike on every
+        rank) and the link, each the mean over the ranks (so every rank decides alike)."""
+        measured = bool(self._samples)
+        compute = self._compute(self._samples) if measured else 0.0
+        step = self._step_time(self._step_samples) if measured else None
+        self._samples, self._step_samples = [], []  # the next decision measures the steps after this one
+        small, large_numel, large = self._probe_times(engine)
+        compute, step_s, small, large = _mean_over_ranks(
+            engine, [compute, math.nan if step is None else step, small, large]
+        )
+        link = forms.link_from_probe(PROBE_SMALL_NUMEL, small, large_numel, large, engine.world_size)
+        return (compute if measured else None), (None if math.isnan(step_s) else step_s), link
+
+    def _step_time(self, samples: list[float]) -> float | None:
+        """One step's wall-clock in the form in use (the median, its first steps left out); None: predict it."""
+        return self._compute(samples)
 
     def _compute(self, samples: list[float]) -> float:
         """One step's compute from the form's steps so far: the median, its first steps left out."""
-        return statistics.median(samples[SETTLING_STEPS:] or samples or [0.0])
+        return statistics.median(samples[SETTLING_STEPS:] or samples)
 
-    def _probe_times(self, engine: ScapeEngine) -> tuple[float, float]:
-        """The seconds of the small and the large probe (each the fastest of its repeats)."""
-        return _probe(engine, PROBE_SMALL_NUMEL), _probe(engine, PROBE_LARGE_NUMEL)
+    def _probe_times(self, engine: ScapeEngine) -> tuple[float, int, float]:
+        """The seconds of the small probe, and the size and seconds of the large one (each the fastest of its
+        repeats): grown until every rank's mean time reaches :data:`PROBE_MIN_S` (so all ranks grow it alike)."""
+        small = timed_gather(engine, PROBE_SMALL_NUMEL)
+        numel, most = PROBE_LARGE_NUMEL, max(PROBE_LARGE_NUMEL, PROBE_MAX_OUTPUT // engine.world_size)
+        large = timed_gather(engine, numel)
+        while numel * 4 <= most and _mean_over_ranks(engine, [large])[0] < PROBE_MIN_S:
+            numel *= 4
+            large = timed_gather(engine, numel)
+        return small, numel, large
 
     def _report(self, engine: ScapeEngine, decision: Decision) -> None:
         if self.on_decision is not None:
@@ -205,7 +251,7 @@ class FormPilot:
         self.compute_s = {Form(**f): float(s) for f, s in state["compute_s"]}
         self.last_decision_step = state["last_decision_step"]
         self.switches = [(int(step), Form(**f)) for step, f in state.get("switches", [])]
-        self._samples, self._last = [], None
+        self._samples, self._step_samples, self._last = [], [], None
 
 
 def _form_dict(form: Form) -> dict[str, Any]:
@@ -217,7 +263,14 @@ def _device(engine: ScapeEngine) -> torch.device:
     return engine.buckets[0].params.device if engine.buckets else torch.device("cpu")
 
 
-def _probe(engine: ScapeEngine, numel: int) -> float:
+def _mean_over_ranks(engine: ScapeEngine, values: list[float]) -> list[float]:
+    """Every rank's mean of each value (one all-reduce, counted as ``"probe"`` traffic)."""
+    local = torch.tensor(values, dtype=torch.float64, device=_device(engine))
+    engine.wire.wait(engine.wire.all_reduce_sum("probe", local))
+    return [float(x) / engine.world_size for x in local.cpu()]
+
+
+def timed_gather(engine: ScapeEngine, numel: int) -> float:
     """The fastest of :data:`PROBE_REPEATS` timed all-gathers of ``numel`` fp32 elements per rank (counted as
     ``"probe"`` traffic)."""
     device = _device(engine)
