@@ -184,14 +184,24 @@ GIVEN_LINKS: dict[str, dict[int, Link]] = {
 }
 
 
+# The compute an "auto_*" configuration's pilot reads: a step of the small model on the 2-core VM in the
+# time-to-loss benchmark (its fp32 dense steps at 10 Gbit/s), so that its decisions do not depend on the load of the
+# machine (the simulated ranks share it).
+GIVEN_COMPUTE_S = 0.09
+
+
 class GivenLinkPilot(FormPilot):
-    """The package's form pilot, its probes sent but their times those of ``links`` (the link from each step on);
-    the compute is measured. ``whole_ramp``: a sparse form chosen after dense steps runs its whole density ramp."""
+    """The package's form pilot, its probes sent but their times those of ``links`` (the link from each step on),
+    and every form's compute :data:`GIVEN_COMPUTE_S`. ``whole_ramp``: a sparse form chosen after dense steps runs its
+    whole density ramp."""
 
     def __init__(self, links: dict[int, Link], whole_ramp: bool = False) -> None:
         super().__init__(on_decision=lambda decision: None)
         self.links = links
         self.whole_ramp = whole_ramp
+
+    def _compute(self, samples: list[float]) -> float:
+        return GIVEN_COMPUTE_S
 
     def _step_time(self, samples: list[float]) -> float | None:
         return None  # the simulated ranks' link is memory: the form in use is predicted at the given link too

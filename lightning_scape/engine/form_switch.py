@@ -5,8 +5,8 @@ The mechanism only; which form to take, and when, is the pilot's (:class:`Pilot`
 same loss. A switch keeps every invariant of the engine. No gradient mass is lost: sparse steps and the int8 wire
 leave what they did not send in the residual, and the next fp32 dense step sends it with its gradient
 (:attr:`~lightning_scape.engine.buckets.BucketState.residual_live`). Replicas stay identical: every rank switches
-after the same step, from the same (all-reduced) measurements. A sparse form starts with the configured density
-ramp, as after the warm-up; a dense form drops the masks in flight.
+after the same step, from the same (all-reduced) measurements. A sparse form starts with the density ramp its
+configuration gives (the pilot shortens it after a dense stretch); a dense form drops the masks in flight.
 
 Where the pilot takes fp32 dense steps, a sharded engine takes them in DDP's form once it can
 (:func:`take_ddp_form`): every rank holds the whole momentum, the gradient is all-reduced during the backward pass
