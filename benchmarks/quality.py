@@ -206,6 +206,9 @@ class GivenLinkPilot(FormPilot):
     def _step_time(self, samples: list[float]) -> float | None:
         return None  # the simulated ranks' link is memory: the form in use is predicted at the given link too
 
+    def _recent_step(self, engine: ScapeEngine) -> float | None:
+        return None  # no watch on the wall-clock: the decisions come from the given links only
+
     def _dense_since(self, base: ScapeConfig) -> int | None:
         return None if self.whole_ramp else super()._dense_since(base)
 

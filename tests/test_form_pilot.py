@@ -80,6 +80,9 @@ class GivenLink(pilot.FormPilot):
     def _step_time(self, samples: list[float]) -> float | None:
         return None  # predicted from the given link, as the other forms
 
+    def _recent_step(self, engine: ScapeEngine) -> float | None:
+        return None  # no watch on the wall-clock: the decisions here come from the given links only
+
     def _probe_times(self, engine: ScapeEngine) -> tuple[float, int, float]:
         sizes = (pilot.PROBE_SMALL_NUMEL, pilot.PROBE_LARGE_NUMEL)
         for n in sizes:  # sent, not timed
@@ -263,6 +266,31 @@ def test_the_form_in_use_is_judged_by_its_measured_step() -> None:
     measured = next(p for p in decision.predictions if p.form == FP32_DENSE)
     assert measured.step_measured and measured.step_s == 0.5
     assert decision.chosen == INT8_DENSE and "fp32 dense 500.0 ms x 1 steps = 500.0 (measured)" in decision.describe()
+
+
+def test_a_step_that_slows_between_checks_brings_the_next_decision_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 1000)
+    monkeypatch.setattr(pilot, "WATCH_STEPS", 5)
+
+    class Watched(GivenLink):
+        def _recent_step(self, engine: ScapeEngine) -> float | None:
+            return 0.1 if engine.step_count <= 15 else 0.3  # the link falls after step 15: steps take 3x as long
+
+    def run(rank: int, comm: Communicator) -> list[tuple[int, str]]:
+        model = make_net(0, torch.float64)
+        engine = ScapeEngine(AdamS(model.parameters()), CONFIG, comm, form_pilot=Watched([FAST, SLOW]))
+        for step in range(24):
+            x, y = random_batch(100 * step + rank, 8, torch.float64)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            engine.step()
+            engine.zero_grad()
+        engine.close()
+        assert isinstance(engine.pilot, Watched)
+        return [(d.step, d.chosen.name) for d in engine.pilot.decisions]
+
+    # Watches after steps 10 (the reference), 15 (the same) and 20 (3x: decide now, not after step 1005).
+    chosen = simulate(2, run)[0]
+    assert [step for step, _ in chosen] == [5, 20] and chosen[1][1].startswith("int8 d=")
 
 
 def _fixed_fp32_dense(rank: int, comm: Communicator, steps: int) -> list[Tensor]:

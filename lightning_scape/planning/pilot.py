@@ -60,6 +60,11 @@ PROBE_MIN_S = 0.02
 PROBE_MAX_OUTPUT = 1 << 25
 # The first steps of a form are left out of its compute: they compile kernels and fill buffers.
 SETTLING_STEPS = 2
+# Between decisions, every WATCH_STEPS steps the ranks all-reduce their median step of the last WATCH_STEPS (16 bytes);
+# one that moved by more than WATCH_CHANGE from the first such median after the last decision (a link that slowed
+# or sped up, another job on the machine) brings the next decision forward to this step.
+WATCH_STEPS = 20
+WATCH_CHANGE = 1.25
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ class FormPilot:
         self._samples: list[float] = []  # per step: its compute (wall-clock less the wait on SCAPE's collectives)
         self._step_samples: list[float] = []  # per step: its wall-clock
         self._last: tuple[float, float] | None = None  # (clock, total wait) after the previous step
+        self._watched: float | None = None  # the first watched step after the last decision
 
     # ------------------------------------------------------------------ the engine's hook
 
@@ -131,7 +137,7 @@ class FormPilot:
             self._step_samples.append(now - self._last[0])
             self._samples.append(self._step_samples[-1] - (waited - self._last[1]))
         self._last = (now, waited)
-        if engine.step_count < self.next_decision(engine):
+        if engine.step_count < self.next_decision(engine) and not self._step_changed(engine):
             return
         self.decide(engine)
         self._last = (time.perf_counter(), engine.counters.total_wait_s)  # the probe is not a step's compute
@@ -147,6 +153,27 @@ class FormPilot:
         if self.last_decision_step is None:
             return max(engine.requested_config.dense_warmup_steps, MIN_MEASURED_STEPS)
         return self.last_decision_step + RECHECK_STEPS
+
+    def _step_changed(self, engine: ScapeEngine) -> bool:
+        """At a watch (every :data:`WATCH_STEPS` steps between decisions, outside a density ramp): whether the
+        ranks' median step moved by more than :data:`WATCH_CHANGE` since the first watch after the last decision."""
+        due = self.last_decision_step is not None and engine.step_count % WATCH_STEPS == 0
+        if not due or self.in_ramp(engine) or engine.step_count - (self.last_decision_step or 0) < WATCH_STEPS:
+            return False
+        recent = self._recent_step(engine)
+        total, share = _mean_over_ranks(engine, [recent or 0.0, 1.0 if recent else 0.0])
+        if share == 0:
+            return False
+        step = total / share  # the mean over the ranks that measured steps
+        if self._watched is None:
+            self._watched = step
+            return False
+        return not 1 / WATCH_CHANGE <= step / self._watched <= WATCH_CHANGE
+
+    def _recent_step(self, engine: ScapeEngine) -> float | None:
+        """This rank's median step over the last :data:`WATCH_STEPS` measured steps (None: none measured)."""
+        recent = self._step_samples[-WATCH_STEPS:]
+        return statistics.median(recent) if recent else None
 
     def in_ramp(self, engine: ScapeEngine) -> bool:
         """Whether the step just taken belongs to the density ramp of the sparse form in use."""
@@ -173,6 +200,7 @@ class FormPilot:
         decision = Decision(engine.step_count, link, compute, tuple(predictions), self.form, chosen)
         self.decisions.append(decision)
         self.last_decision_step = engine.step_count
+        self._watched = None
         if chosen != self.form:
             self._switch(engine, chosen)
         engine.ddp_dense = self.form == FP32_DENSE
@@ -251,7 +279,7 @@ class FormPilot:
         self.compute_s = {Form(**f): float(s) for f, s in state["compute_s"]}
         self.last_decision_step = state["last_decision_step"]
         self.switches = [(int(step), Form(**f)) for step, f in state.get("switches", [])]
-        self._samples, self._step_samples, self._last = [], [], None
+        self._samples, self._step_samples, self._last, self._watched = [], [], None, None
 
 
 def _form_dict(form: Form) -> dict[str, Any]:
