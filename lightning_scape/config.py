@@ -252,6 +252,12 @@ class ScapeConfig:
         """The density actually sent: ``slots_per_chunk / chunk_size``."""
         return self.slots_per_chunk / self.chunk_size
 
+    @property
+    def every_step_dense_fp32(self) -> bool:
+        """Whether every step of the run is dense in fp32 (``dense_warmup_steps`` at :data:`DENSE_FOREVER`): the form
+        the engine takes as DDP + AdamS takes it (``docs/self_driving.md``)."""
+        return self.wire_format == "full" and self.dense_warmup_steps >= DENSE_FOREVER
+
     def replace(self, **changes: Any) -> ScapeConfig:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -293,11 +293,13 @@ def test_a_step_that_slows_between_checks_brings_the_next_decision_forward(monke
     assert [step for step, _ in chosen] == [5, 20] and chosen[1][1].startswith("int8 d=")
 
 
-def _fixed_fp32_dense(rank: int, comm: Communicator, steps: int) -> list[Tensor]:
-    """The reference: the same steps in the fixed sharded form that sends every step dense in fp32."""
+def _fixed_fp32_dense(rank: int, comm: Communicator, steps: int, forever: bool = False) -> list[Tensor]:
+    """The reference: the same steps in the sharded form that sends them dense in fp32 (a warm-up longer than the
+    run); with ``forever``, the fixed form whose every step is dense, which takes them as DDP's."""
     model = make_net(0, torch.float64)
-    config = ScapeConfig(chunk_size=64, wire_format="full", dense_warmup_steps=10**9)
+    config = ScapeConfig(chunk_size=64, wire_format="full", dense_warmup_steps=10**9 if forever else 10**8)
     engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), config, comm)
+    assert all(bs.dense_replica == forever for bs in engine.buckets)
     for step in range(steps):
         x, y = random_batch(100 * step + rank, 8, torch.float64)
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -329,9 +331,10 @@ def test_on_a_fast_link_its_dense_steps_are_ddps_and_checkpoints_keep_the_shards
         assert a.numel() == 2 * shard.numel() and torch.equal(a, b)
     # The same steps as the sharded dense form's (W = 2, float64: bitwise).
     reference = simulate(2, lambda rank, comm: _fixed_fp32_dense(rank, comm, 12))
+    fixed = simulate(2, lambda rank, comm: _fixed_fp32_dense(rank, comm, 12, forever=True))
     for r in range(2):
-        for a, b in zip(ranks[r]["params"], reference[r], strict=True):
-            assert torch.equal(a, b)
+        for a, b, c in zip(ranks[r]["params"], reference[r], fixed[r], strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
     # A checkpoint holds each rank's shard, as a sharded engine's does, and resumes bitwise.
     for r in range(2):
         for bucket, whole in zip(ranks[r]["state"]["buckets"], ranks[r]["momentum"], strict=True):

@@ -8,7 +8,8 @@ leave what they did not send in the residual, and the next fp32 dense step sends
 after the same step, from the same (all-reduced) measurements. A sparse form starts with the density ramp its
 configuration gives (the pilot shortens it after a dense stretch); a dense form drops the masks in flight.
 
-Where the pilot takes fp32 dense steps, a sharded engine takes them in DDP's form once it can
+Where the pilot takes fp32 dense steps, or a fixed form sends every step dense in fp32, a sharded engine takes them
+in DDP's form once it can
 (:func:`take_ddp_form`): every rank holds the whole momentum, the gradient is all-reduced during the backward pass
 and every rank updates every parameter, so the step ends without the parameter all-gather that sharded dense steps
 wait for. It holds DDP + AdamS's optimizer memory (the momentum of every parameter, half of DDP + AdamW's) while

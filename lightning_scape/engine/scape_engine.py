@@ -124,7 +124,7 @@ class ScapeEngine:
         self.grads_written_after_send = False  # param.grad changed after the last step sent it (no effect)
         self.last_used_masks: list[Tensor] | None = None  # per bucket, the mask of the last sparse step
         self._step: StepInFlight | None = None
-        self.ddp_dense = self.pilot is not None  # fp32 dense steps in DDP's form: the pilot's (form_switch)
+        self.ddp_dense = self.pilot is not None or cfg.every_step_dense_fp32  # fp32 dense steps as DDP's (form_switch)
         form_switch.take_ddp_form(self, fresh=True)
         if cfg.dense_steps == 0:
             self.masks.begin()

@@ -66,8 +66,9 @@ def scape_memory(layout: Sequence[Bucket], config: ScapeConfig, rank: int = 0) -
 
     Args:
         layout: The engine's buckets (any device: they are rebuilt on the meta device).
-        config: The configuration; where it leaves the form to SCAPE, sized at the most it holds: the momentum of
-            every parameter, as its fp32 dense steps in DDP's form hold it (``docs/self_driving.md``).
+        config: The configuration; where it leaves the form to SCAPE or sends every step dense in fp32, sized at the
+            most it holds: the momentum of every parameter, as fp32 dense steps in DDP's form hold it
+            (``docs/self_driving.md``).
         rank: The rank (every rank holds the same sizes).
     """
     totals = [0] * 6  # params, grads, optimizer state, compact buffers, masks, warm-up shard
@@ -83,7 +84,8 @@ def scape_memory(layout: Sequence[Bucket], config: ScapeConfig, rank: int = 0) -
 
 def _bucket_bytes(bucket: Bucket, config: ScapeConfig, rank: int) -> list[int]:
     """One bucket's params, grads, optimizer state, compact buffers, masks and warm-up shard, in bytes."""
-    ddp_form = config.chooses_form and config.sharded and bucket.world_size > 1  # its fp32 dense steps, replicated
+    # Every momentum on every rank: the fp32 dense steps in DDP's form (of the defaults, or fixed for the whole run).
+    ddp_form = (config.chooses_form or config.every_step_dense_fp32) and config.sharded and bucket.world_size > 1
     config = config.start_form()
     bs = BucketState(dataclasses.replace(bucket, device=torch.device("meta")), config, rank)
     if ddp_form:
