@@ -268,6 +268,32 @@ def test_the_form_in_use_is_judged_by_its_measured_step() -> None:
     assert decision.chosen == INT8_DENSE and "fp32 dense 500.0 ms x 1 steps = 500.0 (measured)" in decision.describe()
 
 
+def test_a_sparse_form_in_use_is_judged_by_the_model_as_its_alternatives(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its measured step carries work the alternatives' predictions lack (selection, rounding): judged by it, a sparse
+    # form would leave for one not run yet, and start that one's ramp again.
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
+
+    class MeasuredSlow(GivenLink):
+        def _step_time(self, samples: list[float]) -> float | None:
+            return 0.5
+
+    def run(rank: int, comm: Communicator) -> list[pilot.Decision]:
+        model = make_net(0, torch.float64)
+        engine = ScapeEngine(AdamS(model.parameters()), CONFIG, comm, form_pilot=MeasuredSlow([SLOW]))
+        for step in range(11):
+            x, y = random_batch(100 * step + rank, 8, torch.float64)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            engine.step()
+            engine.zero_grad()
+        engine.close()
+        assert isinstance(engine.pilot, MeasuredSlow)
+        return engine.pilot.decisions
+
+    first, second = simulate(2, run)[0]
+    assert not first.chosen.dense and second.chosen == first.chosen
+    assert not any(p.step_measured for p in second.predictions)
+
+
 def test_a_step_that_slows_between_checks_brings_the_next_decision_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pilot, "RECHECK_STEPS", 1000)
     monkeypatch.setattr(pilot, "WATCH_STEPS", 5)

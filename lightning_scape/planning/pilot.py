@@ -191,7 +191,9 @@ class FormPilot:
         layout = [bs.layout for bs in engine.buckets]
         cluster = Cluster(engine.world_size, 1, link)
         predictions = forms.predict(candidates, layout, base, cluster, self.compute_s)
-        if step is not None:  # the form in use: its measured step, not the model's (overlap the model cannot see)
+        # A dense form in use: its measured step, not the model's (an overlap the model cannot see). A sparse one keeps
+        # the model with its measured compute, as its alternatives have: its measured step would carry work they lack.
+        if step is not None and self.form.dense:
             predictions = [dataclasses.replace(p, step_s=step, step_measured=True) if p.form == self.form else p
                            for p in predictions]  # fmt: skip
         chosen = forms.choose(predictions, self.form)
