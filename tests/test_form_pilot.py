@@ -113,6 +113,36 @@ def test_on_a_fast_link_the_large_probe_grows_until_its_time_is_measurable(
         assert link.bandwidth_bps == pytest.approx(bps)
 
 
+def _train(engine: ScapeEngine, model: torch.nn.Module, rank: int, steps: range) -> None:
+    """Take ``steps`` of the tiny net; each step's batch is fixed by its number and the rank."""
+    for step in steps:
+        x, y = random_batch(100 * step + rank, 8, torch.float64)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        engine.step()
+        engine.zero_grad()
+
+
+def _decisions(rank: int, comm: Communicator, form_pilot: GivenLink, steps: int) -> list[pilot.Decision]:
+    """``form_pilot``'s decisions over ``steps`` steps of the tiny net from the start."""
+    model = make_net(0, torch.float64)
+    engine = ScapeEngine(AdamS(model.parameters()), CONFIG, comm, form_pilot=form_pilot)
+    _train(engine, model, rank, range(steps))
+    engine.close()
+    return form_pilot.decisions
+
+
+def _resumed(rank: int, comm: Communicator, first: dict[str, Any], links: list[Link]) -> tuple[ScapeEngine, Any]:
+    """A new engine and model resumed from ``_run``'s result ``first``: its weights and its SCAPE state."""
+    model = make_net(0, torch.float64)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), first["params"], strict=True):
+            p.copy_(q)
+    engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), CONFIG, comm, sync_params=False,
+                         form_pilot=GivenLink(links))  # fmt: skip
+    engine.load_state_dict(first["state"])
+    return engine, model
+
+
 def _run(
     rank: int,
     comm: Communicator,
@@ -230,18 +260,11 @@ def test_a_link_that_slows_after_dense_steps_turns_them_sparse_at_once(monkeypat
     monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
     config = CONFIG.replace(density_ramp_steps=20)  # at d = 0.01 the ramp's first 6 steps are dense
 
-    def run(rank: int, comm: Communicator) -> Any:
-        out = _run(rank, comm, [FAST, SLOW], 11, config=config)
-        return out, simulate_step_is_sparse(out["state"])
-
-    def simulate_step_is_sparse(state: dict[str, Any]) -> bool:
-        form = ScapeConfig(**state["form"])
-        return form.dense_steps == state["step_count"]  # the next step is past the ramp's dense steps
-
-    ranks = simulate(2, run)
-    assert [c for _, c in ranks[0][0]["chosen"]] == ["fp32 dense", "int8 d=0.01"]
-    assert all(sparse_next for _, sparse_next in ranks)
-    for a, b in zip(ranks[0][0]["params"], ranks[1][0]["params"], strict=True):
+    ranks = simulate(2, lambda rank, comm: _run(rank, comm, [FAST, SLOW], 11, config=config))
+    assert [c for _, c in ranks[0]["chosen"]] == ["fp32 dense", "int8 d=0.01"]
+    for r in ranks:  # the next step is past the ramp's dense steps
+        assert ScapeConfig(**r["state"]["form"]).dense_steps == r["state"]["step_count"]
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(a, b)
 
 
@@ -250,19 +273,8 @@ def test_the_form_in_use_is_judged_by_its_measured_step() -> None:
         def _step_time(self, samples: list[float]) -> float | None:
             return 0.5  # the fp32 dense steps took 500 ms, where the model predicts about 1 ms on this link
 
-    def run(rank: int, comm: Communicator) -> list[pilot.Decision]:
-        model = make_net(0, torch.float64)
-        engine = ScapeEngine(AdamS(model.parameters()), CONFIG, comm, form_pilot=MeasuredSlow([FAST]))
-        for step in range(5):  # the first decision: after 5 measured steps
-            x, y = random_batch(100 * step + rank, 8, torch.float64)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            engine.step()
-            engine.zero_grad()
-        engine.close()
-        assert isinstance(engine.pilot, MeasuredSlow)
-        return engine.pilot.decisions
-
-    decision = simulate(2, run)[0][0]
+    # The first decision: after 5 measured steps.
+    decision = simulate(2, lambda rank, comm: _decisions(rank, comm, MeasuredSlow([FAST]), 5))[0][0]
     measured = next(p for p in decision.predictions if p.form == FP32_DENSE)
     assert measured.step_measured and measured.step_s == 0.5
     assert decision.chosen == INT8_DENSE and "fp32 dense 500.0 ms x 1 steps = 500.0 (measured)" in decision.describe()
@@ -277,19 +289,7 @@ def test_a_sparse_form_in_use_is_judged_by_the_model_as_its_alternatives(monkeyp
         def _step_time(self, samples: list[float]) -> float | None:
             return 0.5
 
-    def run(rank: int, comm: Communicator) -> list[pilot.Decision]:
-        model = make_net(0, torch.float64)
-        engine = ScapeEngine(AdamS(model.parameters()), CONFIG, comm, form_pilot=MeasuredSlow([SLOW]))
-        for step in range(11):
-            x, y = random_batch(100 * step + rank, 8, torch.float64)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            engine.step()
-            engine.zero_grad()
-        engine.close()
-        assert isinstance(engine.pilot, MeasuredSlow)
-        return engine.pilot.decisions
-
-    first, second = simulate(2, run)[0]
+    first, second = simulate(2, lambda rank, comm: _decisions(rank, comm, MeasuredSlow([SLOW]), 11))[0]
     assert not first.chosen.dense and second.chosen == first.chosen
     assert not any(p.step_measured for p in second.predictions)
 
@@ -302,20 +302,9 @@ def test_a_step_that_slows_between_checks_brings_the_next_decision_forward(monke
         def _recent_step(self, engine: ScapeEngine) -> float | None:
             return 0.1 if engine.step_count <= 15 else 0.3  # the link falls after step 15: steps take 3x as long
 
-    def run(rank: int, comm: Communicator) -> list[tuple[int, str]]:
-        model = make_net(0, torch.float64)
-        engine = ScapeEngine(AdamS(model.parameters()), CONFIG, comm, form_pilot=Watched([FAST, SLOW]))
-        for step in range(24):
-            x, y = random_batch(100 * step + rank, 8, torch.float64)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            engine.step()
-            engine.zero_grad()
-        engine.close()
-        assert isinstance(engine.pilot, Watched)
-        return [(d.step, d.chosen.name) for d in engine.pilot.decisions]
-
     # Watches after steps 10 (the reference), 15 (the same) and 20 (3x: decide now, not after step 1005).
-    chosen = simulate(2, run)[0]
+    decisions = simulate(2, lambda rank, comm: _decisions(rank, comm, Watched([FAST, SLOW]), 24))[0]
+    chosen = [(d.step, d.chosen.name) for d in decisions]
     assert [step for step, _ in chosen] == [5, 20] and chosen[1][1].startswith("int8 d=")
 
 
@@ -326,11 +315,7 @@ def _fixed_fp32_dense(rank: int, comm: Communicator, steps: int, forever: bool =
     config = ScapeConfig(chunk_size=64, wire_format="full", dense_warmup_steps=10**9 if forever else 10**8)
     engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), config, comm)
     assert all(bs.dense_replica == forever for bs in engine.buckets)
-    for step in range(steps):
-        x, y = random_batch(100 * step + rank, 8, torch.float64)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        engine.step()
-        engine.zero_grad()
+    _train(engine, model, rank, range(steps))
     engine.close()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -368,19 +353,8 @@ def test_on_a_fast_link_its_dense_steps_are_ddps_and_checkpoints_keep_the_shards
             assert torch.equal(bucket["momentum"], whole[r * n : (r + 1) * n])
 
     def resumed(rank: int, comm: Communicator) -> list[Tensor]:
-        first = _run(rank, comm, [FAST], 8)
-        model = make_net(0, torch.float64)
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), first["params"], strict=True):
-                p.copy_(q)
-        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), CONFIG, comm, sync_params=False,
-                             form_pilot=GivenLink([FAST]))  # fmt: skip
-        engine.load_state_dict(first["state"])
-        for step in range(8, 12):
-            x, y = random_batch(100 * step + rank, 8, torch.float64)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            engine.step()
-            engine.zero_grad()
+        engine, model = _resumed(rank, comm, _run(rank, comm, [FAST], 8), [FAST])
+        _train(engine, model, rank, range(8, 12))
         assert all(bs.dense_replica for bs in engine.buckets)
         engine.close()
         return [p.detach().clone() for p in model.parameters()]
@@ -396,23 +370,12 @@ def test_a_checkpoint_resumes_the_chosen_form_and_continues_bitwise(monkeypatch:
     whole = simulate(2, lambda rank, comm: _run(rank, comm, [SLOW], 14))
 
     def resumed(rank: int, comm: Communicator) -> dict[str, Any]:
-        first = _run(rank, comm, [SLOW], 9)
-        model = make_net(0, torch.float64)
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), first["params"], strict=True):
-                p.copy_(q)
-        engine = ScapeEngine(AdamS(model.parameters(), lr=1e-2), CONFIG, comm, sync_params=False,
-                             form_pilot=GivenLink([SLOW]))  # fmt: skip
-        engine.load_state_dict(first["state"])
+        engine, model = _resumed(rank, comm, _run(rank, comm, [SLOW], 9), [SLOW])
         assert engine.config.wire_format == "int8" and not engine.in_warmup
         assert isinstance(engine.pilot, GivenLink) and engine.pilot.switches == [(5, Form("int8", 0.01))]
         summary = run_summary.describe_steps(engine)  # the switches come with the checkpoint
         assert summary.startswith("9, in the forms SCAPE chose: fp32 dense 1-5; int8 d=0.01 6-9")
-        for step in range(9, 14):
-            x, y = random_batch(100 * step + rank, 8, torch.float64)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            engine.step()
-            engine.zero_grad()
+        _train(engine, model, rank, range(9, 14))
         engine.close()
         return {"params": [p.detach().clone() for p in model.parameters()]}
 
