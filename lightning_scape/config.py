@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
 from lightning_scape.kernels import MAX_CHUNK_SIZE
 
-MaskStatistic = Literal["momentum", "gradient", "random"]
-RampShape = Literal["geometric", "linear"]
 WireFormat = Literal["full", "int8"]
 
-MASK_STATISTICS: tuple[str, ...] = ("momentum", "gradient", "random")
-RAMP_SHAPES: tuple[str, ...] = ("geometric", "linear")
 WIRE_FORMATS: tuple[str, ...] = ("full", "int8")
 # A dense step's values and parameter updates in the int8 wire format get one scale per this many coordinates: a
 # dense gradient varies more along a bucket than within a chunk row's few sparse values, which share one scale.
@@ -36,6 +33,38 @@ DENSE_FOREVER = 10**9
 FIXED_FORM_DENSITY = 0.01
 # Where SCAPE chooses the form, it measures at least this many dense steps first (a shorter warm-up is lengthened).
 MIN_MEASURED_STEPS = 5
+
+# Options of earlier versions: what each is now, and the value at which a saved state still means the same run (None:
+# any value; it never changed what a run computed).
+REMOVED_OPTIONS: dict[str, tuple[object, str]] = {
+    "density_ramp_shape": ("geometric", "the density ramp is always geometric; leave it out"),
+    "mask_statistic": ("momentum", "masks always come from the first-moment statistic; leave it out"),
+    "mask_refresh_interval": (1, "a new mask is built every step; leave it out"),
+    "seed": (None, "nothing in SCAPE draws random numbers; leave it out"),
+    "collective_timeout_s": (
+        None,
+        "pass the strategy's timeout instead (ScapeStrategy(timeout=datetime.timedelta(seconds=...))): it bounds "
+        "SCAPE's collectives and Lightning's alike",
+    ),
+    "resume_with_new_config": (
+        None,
+        "it belongs to the load: pass it to the strategy (ScapeStrategy(resume_with_new_config=True); "
+        "lightning-scape pretrain --resume_with_new_config true)",
+    ),
+}
+
+
+def refuse_removed_options(names: Iterable[str], where: str) -> None:
+    """Raise ``TypeError`` naming the first of ``names`` that is a :data:`REMOVED_OPTIONS` entry and what replaces it.
+
+    Args:
+        names: The option names given.
+        where: What they were given to, for the message (``"ScapeConfig"``, ``"ScapeStrategy"``).
+    """
+    for name in names:
+        if name in REMOVED_OPTIONS:
+            raise TypeError(f"{where} has no option {name!r} any more: {REMOVED_OPTIONS[name][1]}.")
+
 
 # A ramp step denser than this is sent dense. A sparse step sends an index beside every value and parameter,
 # so the denser it is, the less it saves against dense, until it sends more (docs/algorithm.md section 5 has the
@@ -79,23 +108,18 @@ class ScapeConfig:
             long as the run makes every step dense on purpose (see ``wire_format``).
         density_ramp_steps: Steps after the dense warm-up over which the density falls from 1 to ``density``
             (the ramp is part of the warm-up: with ``dense_warmup_steps=0`` there is none). Ramp steps denser
-            than :data:`DENSE_ABOVE` (1/4) are sent dense, so with the geometric shape the first
-            ``log(4) / log(1 / density)`` of the ramp is dense (:attr:`dense_steps` counts the dense steps). A
+            than :data:`DENSE_ABOVE` (1/4) are sent dense; the density falls by the same factor every step, so
+            the first ``log(4) / log(1 / density)`` of the ramp is dense (:attr:`dense_steps` counts the dense steps). A
             mask keeps the density of the step it was built for. The ramp is what the sparse phase needs to
             start well; what the default schedule costs in bytes and buys in loss is measured in
             ``docs/algorithm.md`` section 7. Shorten both for runs of less than about 2000 steps if bytes
             matter more than the last percent of loss.
-        density_ramp_shape: ``"geometric"`` (the density falls by the same factor every step) or
-            ``"linear"``.
-        mask_delay: A mask built at the end of step t is used at step t + mask_delay. 1 (the paper's
-            choice) lets the mask all-gather overlap a whole forward pass; 0 builds the mask from the
-            current gradient inside the backward pass and waits for it (no overlap, freshest mask).
-        mask_refresh_interval: Build a new mask every R steps and reuse it in between; index traffic
-            becomes 2/R bytes per slot. 1 is best for quality; raise it only on very slow links.
-        mask_statistic: How an owner scores its coordinates. ``"momentum"`` (default) uses
-            ``|b1*m + (1-b1)*e|``, the paper's first-moment mask with this rank's residual folded in;
-            ``"gradient"`` uses ``|e|`` (raw-gradient top-k with error feedback, the baseline);
-            ``"random"`` draws slots from a seed shared by all ranks (no index traffic).
+        mask_delay: 1 (the default, the paper's choice) uses a mask built at the end of step t at step t + 1, so
+            that its all-gather overlaps a whole forward pass; 0 builds each step's mask from its own gradient
+            inside the backward pass and waits for it (the freshest mask, no overlap). Keep 1 unless the mask
+            all-gather is free (one process per node, or a fast link) and you want to measure the difference.
+            A new mask is built every step, by each rank for the shard it owns, from
+            ``|b1*m + (1-b1)*e|`` (the first-moment statistic with its residual folded in).
         exploration: Fraction of each chunk's slots given to round-robin exploration, in [0, 1).
             With k_e exploration slots every coordinate is sent at least once per C / k_e refreshes,
             which bounds the age of any residual. 0.1 costs little; 0 lets rarely-large coordinates
@@ -123,16 +147,9 @@ class ScapeConfig:
             ``sharded=False`` and where the dense steps must equal DDP + AdamS's bit for bit.
         bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
             communicating earlier in the backward pass but cost more launches; 25 is DDP's default.
-        seed: Seed of the shared random generator (``mask_statistic="random"``).
-        collective_timeout_s: Seconds a wait on a collective may take before the engine raises an
-            error naming the collective (real process groups also use their own timeout).
-        resume_with_new_config: Resume a checkpoint written with other SCAPE settings, on purpose: the weights,
-            momentum, last-sent steps and residuals carry over (no gradient mass is lost) and the masks are
-            rebuilt for the new settings, as when a checkpoint is re-sharded onto another number of processes.
-            ``density``, the schedule (``dense_warmup_steps``, ``density_ramp_steps``, ``density_ramp_shape``),
-            the mask options, ``exploration``, ``catch_up_cap`` and ``seed`` may change; ``chunk_size``,
-            ``sharded`` and ``bucket_cap_mb`` may not (they decide how the state is laid out). False (the
-            default) refuses a checkpoint whose settings differ, so that a typo does not change a run silently.
+
+    The strategies take, beside these, ``timeout`` (how long any collective may wait) and
+    ``resume_with_new_config`` (a load of a checkpoint saved with other settings): ``docs/lightning.md``.
     """
 
     density: float | None = None
@@ -140,17 +157,11 @@ class ScapeConfig:
     sharded: bool = True
     dense_warmup_steps: int = 30
     density_ramp_steps: int = 400
-    density_ramp_shape: RampShape = "geometric"
     mask_delay: int = 1
-    mask_refresh_interval: int = 1
-    mask_statistic: MaskStatistic = "momentum"
     exploration: float = 0.1
     catch_up_cap: float = 32.0
     wire_format: WireFormat | None = None
     bucket_cap_mb: float = 25.0
-    seed: int = 0
-    collective_timeout_s: float = 1800.0
-    resume_with_new_config: bool = False
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -210,10 +221,7 @@ class ScapeConfig:
         d = self.sparse_density
         if self.dense_warmup_steps == 0 or ramp_step >= self.density_ramp_steps:
             return d
-        frac = ramp_step / self.density_ramp_steps
-        if self.density_ramp_shape == "geometric":
-            return float(d**frac)
-        return 1.0 - (1.0 - d) * frac
+        return float(d ** (ramp_step / self.density_ramp_steps))
 
     @property
     def dense_steps(self) -> int:
@@ -267,14 +275,24 @@ class ScapeConfig:
         return dataclasses.asdict(self)
 
 
+def _refusing_removed_options(init: Callable[..., None]) -> Callable[..., None]:
+    """``ScapeConfig``'s generated ``__init__``, refusing first, with what to do instead, an option this version no
+    longer has (:data:`REMOVED_OPTIONS`); its signature stays the generated one (``__wrapped__``)."""
+
+    @functools.wraps(init)
+    def checked(self: ScapeConfig, *args: Any, **kwargs: Any) -> None:
+        refuse_removed_options(kwargs, "ScapeConfig")
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+ScapeConfig.__init__ = _refusing_removed_options(ScapeConfig.__init__)  # type: ignore[method-assign]
+
+
 def _whole_number_from(low: int) -> Callable[[Any], bool]:
     """A rule's test: an integer >= ``low``."""
     return lambda value: isinstance(value, int) and value >= low
-
-
-def _one_of(choices: tuple[str, ...]) -> Callable[[Any], bool]:
-    """A rule's test: one of ``choices``."""
-    return lambda value: value in choices
 
 
 def _is_density(value: Any) -> bool:
@@ -298,16 +316,15 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ),
     ("dense_warmup_steps", _whole_number_from(0), "must be an integer >= 0."),
     ("density_ramp_steps", _whole_number_from(0), "must be an integer >= 0 (0: no ramp)."),
-    ("density_ramp_shape", _one_of(RAMP_SHAPES), f"is unknown; choose one of {RAMP_SHAPES}."),
-    ("mask_delay", _whole_number_from(0), "must be an integer >= 0 (1 overlaps the mask all-gather)."),
-    ("mask_refresh_interval", _whole_number_from(1), "must be an integer >= 1."),
-    ("mask_statistic", _one_of(MASK_STATISTICS), f"is unknown; choose one of {MASK_STATISTICS}."),
+    (
+        "mask_delay",
+        lambda v: v in (0, 1) and not isinstance(v, float),
+        "must be 1 (overlaps the mask all-gather) or 0.",
+    ),
     ("exploration", lambda value: 0.0 <= value < 1.0, "must lie in [0, 1); 0.1 is the default."),
     ("catch_up_cap", lambda value: value >= 1.0, "must be >= 1 (steps of movement at once)."),
     ("wire_format", lambda v: v is None or v in WIRE_FORMATS, f"is unknown; choose one of {WIRE_FORMATS} (or None)."),
     ("bucket_cap_mb", lambda value: value > 0.0, "must be > 0."),
-    ("collective_timeout_s", lambda value: value > 0.0, "must be > 0."),
-    ("resume_with_new_config", lambda value: isinstance(value, bool), "must be True or False."),
 )
 
 
@@ -336,17 +353,11 @@ class ScapeOptions(TypedDict, total=False):
     sharded: bool
     dense_warmup_steps: int
     density_ramp_steps: int
-    density_ramp_shape: RampShape
     mask_delay: int
-    mask_refresh_interval: int
-    mask_statistic: MaskStatistic
     exploration: float
     catch_up_cap: float
     wire_format: WireFormat | None
     bucket_cap_mb: float
-    seed: int
-    collective_timeout_s: float
-    resume_with_new_config: bool
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ScapeConfig))

@@ -27,13 +27,9 @@ def test_the_schedule_falls_from_dense_to_density() -> None:
     ks = [cfg.slots_at(t) for t in range(5, 9)]
     assert ks == [round(0.05**0.6 * 64), round(0.05**0.8 * 64), k_final, k_final] == [11, 6, 3, 3]
     assert cfg.max_slots_per_chunk == 11  # the compact buffers' capacity: the first sparse step's slots
-    linear = cfg.replace(density_ramp_shape="linear")  # 1 - 0.95 s / 5: 0.81, 0.62, 0.43 dense, 0.24 sparse
-    assert linear.dense_steps == 5 and [linear.slots_at(t) for t in (6, 7)] == [round(0.24 * 64), 3]
     # No warm-up: sparse at the density from the first step, whatever the ramp says.
     no_warmup = cfg.replace(dense_warmup_steps=0)
     assert no_warmup.dense_steps == 0 and no_warmup.max_slots_per_chunk == k_final
-    with pytest.raises(ValueError, match="density_ramp_shape"):
-        cfg.replace(density_ramp_shape="cosine")  # type: ignore[arg-type]
 
 
 def _mass_worker(rank: int, comm: Communicator, steps: int) -> dict[str, Any]:

@@ -63,22 +63,19 @@ def test_dense_warmup_steps_are_data_parallel_adams() -> None:
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    ("cfg", "statistic"),
     [
-        {"sharded": True},
-        {"sharded": False},
-        {"sharded": False, "mask_statistic": "gradient"},
-        {"mask_statistic": "gradient"},
-        {"mask_statistic": "random"},
-        {"mask_delay": 0},
-        {"mask_delay": 2, "mask_refresh_interval": 3},
-        {"catch_up_cap": 1.0},
-        {"dense_warmup_steps": 2, "density_ramp_steps": 4},
+        ({"sharded": True}, "momentum"),
+        ({"sharded": False}, "momentum"),
+        ({"sharded": True}, "gradient"),  # the benchmarks' baseline
+        ({"mask_delay": 0}, "momentum"),
+        ({"catch_up_cap": 1.0}, "momentum"),
+        ({"dense_warmup_steps": 2, "density_ramp_steps": 4}, "momentum"),
     ],
 )
-def test_replicas_stay_bitwise_identical_at_low_density(cfg: dict[str, Any]) -> None:
+def test_replicas_stay_bitwise_identical_at_low_density(cfg: dict[str, Any], statistic: str) -> None:
     config = {"density": 0.02, "chunk_size": 256, "dense_warmup_steps": 2, "density_ramp_steps": 0, **cfg}
-    spec = {"steps": 8, "config": config}
+    spec = {"steps": 8, "config": config, "statistic": statistic}
     out = sim(4, spec)
     for step in range(8):
         for r in range(1, 4):
@@ -194,7 +191,7 @@ def test_exploration_flushes_every_coordinate_within_c_over_k_explore_steps() ->
 
 
 def test_the_delayed_mask_is_the_one_built_a_step_earlier() -> None:
-    for delay in (1, 2):
+    for delay in (1,):
         spec = {
             "steps": 7,
             "config": {
@@ -213,8 +210,6 @@ def test_the_delayed_mask_is_the_one_built_a_step_earlier() -> None:
         for i in range(delay - 1, len(used)):
             for u, b in zip(used[i], built[i + 1 - delay], strict=True):
                 assert torch.equal(u, b)
-        if delay == 2:  # the first sparse steps both use the warm-up mask
-            assert all(torch.equal(u, b) for u, b in zip(used[0], built[0], strict=True))
         assert any(not torch.equal(a, b) for a, b in zip(built[0], built[-1], strict=True))
 
 
@@ -236,24 +231,6 @@ def test_the_engine_compacts_with_the_queued_mask() -> None:
             real = torch.zeros_like(zero)
             real[: engine.buckets[0].layout.numel] = True
             assert int((zero & real).sum()) <= pos.numel()  # zeros at the mask only
-
-
-def test_mask_refresh_interval_reuses_masks_and_sends_indices_every_r_steps() -> None:
-    spec = {
-        "steps": 9,
-        "config": {
-            "density": 0.05,
-            "chunk_size": 64,
-            "dense_warmup_steps": 2,
-            "density_ramp_steps": 0,
-            "mask_refresh_interval": 3,
-        },
-    }
-    out = sim(2, spec)[0]
-    idx_bytes = [s["indices"] for s in out["sent"]]
-    # Built at the end of warm-up (step 2) and then at steps 5 and 8.
-    assert [b > 0 for b in idx_bytes] == [False, True, False, False, True, False, False, True, False]
-    assert all(torch.equal(a, b) for a, b in zip(out["masks_used"][0], out["masks_used"][2], strict=True))
 
 
 # ---------------------------------------------------------------- bytes

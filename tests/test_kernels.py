@@ -528,8 +528,9 @@ def _train(cfg: ScapeConfig, steps: int) -> tuple[list[torch.Tensor], list[torch
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"sharded": False, "mask_statistic": "gradient", "catch_up_cap": 4.0}, {"wire_format": "int8"}],
-    ids=["sharded", "replicated-gradient", "int8-wire"],
+    # Replicated masks score |m| with select_mask's "gradient" statistic (the |second argument|).
+    [{}, {"sharded": False, "catch_up_cap": 4.0}, {"wire_format": "int8"}],
+    ids=["sharded", "replicated", "int8-wire"],
 )
 def test_engine_on_triton_kernels_matches_engine_on_refs(
     overrides: dict[str, Any], spies: dict[str, int], monkeypatch: pytest.MonkeyPatch

@@ -61,17 +61,12 @@ def _groups(model: nn.Module) -> list[dict[str, object]]:
 BASE = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=3, density_ramp_steps=6)
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
-    "mask_delay=2": {"mask_delay": 2},
     "mask_delay=0": {"mask_delay": 0},
-    "refresh every 3": {"mask_refresh_interval": 3},
-    "refresh 2, delay 2": {"mask_refresh_interval": 2, "mask_delay": 2},
     "replicated": {"sharded": False},
-    "replicated, gradient statistic": {"sharded": False, "mask_statistic": "gradient"},
-    "random statistic": {"mask_statistic": "random"},
     "no warm-up": {"dense_warmup_steps": 0},
     "no warm-up, mask_delay=0": {"dense_warmup_steps": 0, "mask_delay": 0},
     "int8 wire": {"wire_format": "int8"},
-    "int8 wire, refresh 2, delay 0": {"wire_format": "int8", "mask_refresh_interval": 2, "mask_delay": 0},
+    "int8 wire, mask_delay=0": {"wire_format": "int8", "mask_delay": 0},
 }
 
 

@@ -87,6 +87,10 @@ def test_overrides_and_data_shorthand(tmp_path: Path) -> None:
         (["--data", "/no/such/folder"], "/no/such/folder"),
         (["--tokenizer_dir", "/tmp"], "Unset tokenizer_dir"),
         (["--initial_checkpoint_dir", "/no/such/checkpoint"], "initial_checkpoint_dir=/no/such/checkpoint: no such"),
+        (["--timeout_s", "0"], "timeout_s=0.0 must be > 0"),
+        (["--scape.mask_statistic", "gradient"], "scape.mask_statistic is no option any more: masks always come"),
+        (["--scape.collective_timeout_s", "5"], "set the top-level timeout_s (--timeout_s 1800) instead"),
+        (["--scape.resume_with_new_config", "true"], "pass the top-level --resume_with_new_config true instead"),
     ],
 )
 def test_bad_values_exit_2_with_a_message_naming_the_fix(
@@ -208,12 +212,12 @@ def test_resume_with_changed_scape_settings_is_refused_before_launch_naming_the_
     assert run_pretrain(["--config", DEBUG, "--resume", str(ckpt), "--scape.density", "0.1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--resume {ckpt} was written with other SCAPE settings" in err, err
-    assert "(--scape.density 0.01)" in err and "--scape.resume_with_new_config true" in err
+    assert "(--scape.density 0.01)" in err and "--resume_with_new_config true" in err
     check_resume(False, tmp_path, saved)  # no resume: nothing to read
     check_resume(ckpt, tmp_path, saved)  # the same settings, or new ones on purpose: launched
-    check_resume(True, tmp_path / "out", saved.replace(density=0.1, resume_with_new_config=True))
+    check_resume(True, tmp_path / "out", saved.replace(density=0.1), resume_with_new_config=True)
     with pytest.raises(RecipeError, match="how the state is laid out"):
-        check_resume(ckpt, tmp_path, saved.replace(chunk_size=64, resume_with_new_config=True))
+        check_resume(ckpt, tmp_path, saved.replace(chunk_size=64), resume_with_new_config=True)
 
 
 def test_bpe_vocab_larger_than_the_embedding_is_refused(tmp_path: Path) -> None:

@@ -39,8 +39,8 @@ def _counted(cfg: ScapeConfig, steps: int) -> tuple[list[Any], float, int]:
     "options",
     [
         {},
-        {"sharded": False, "mask_statistic": "gradient"},
-        {"density_ramp_shape": "linear", "mask_delay": 0},
+        {"sharded": False},
+        {"mask_delay": 0},
         {"density_ramp_steps": 0},
         {"wire_format": "int8"},
     ],

@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -359,7 +360,7 @@ def peer_fails_in_a_sparse_step(outdir: str, victim: str) -> None:
         accelerator="cpu",
         devices=1,
         num_nodes=2,
-        strategy=ScapeStrategy(**SCAPE, collective_timeout_s=float(os.environ["SCAPE_TIMEOUT"])),
+        strategy=ScapeStrategy(**SCAPE, timeout=timedelta(seconds=float(os.environ["SCAPE_TIMEOUT"]))),
     )
     fabric.launch()
     model, opt, sched = fabric_setup(fabric)

@@ -470,7 +470,7 @@ def test_checkpoint_from_another_configuration_is_refused(trainer_runs: str) -> 
 def resume_with_a_new_density_on_purpose(outdir: str) -> None:
     """Resuming ``last.ckpt`` (density 0.1) at density 0.2 with ``resume_with_new_config=True``; the layout."""
     last = os.path.join(checkpoint_dir(outdir), "last.ckpt")
-    new = ScapeStrategy(**{**SCAPE, "density": 0.2, "resume_with_new_config": True})
+    new = ScapeStrategy(**{**SCAPE, "density": 0.2}, resume_with_new_config=True)
     trainer = fit_and_record("new_density", outdir, new, max_epochs=3, ckpt_path=last)
     layout = [(b.layout.numel, b.layout.padded_numel, b.layout.chunk_size) for b in trainer.strategy.engine.buckets]
     save_output(outdir, "new_density_layout", dist.get_rank(), layout)
@@ -487,7 +487,7 @@ def test_a_new_density_on_purpose_resumes_and_sends_the_new_densitys_bytes(train
     new, old = runs(trainer_runs, "new_density"), runs(trainer_runs, "resumed")
     assert_plain_replicas(new)
     cfg = new[0]["config"]
-    assert cfg.density == 0.2 and cfg.resume_with_new_config
+    assert cfg.density == 0.2
     assert new[0]["steps"][0]["step_count"] == old[0]["steps"][0]["step_count"]  # the step counter continued
     for step in new[0]["steps"]:  # every step of the resumed fit is sparse, at the new density
         sent = step["sent"]

@@ -40,9 +40,16 @@ def test_strategy_options_become_one_validated_config(cls: Any) -> None:
         cls(find_unused_parameters=True)
     with pytest.raises(ValueError, match="density"):
         cls(density=2.0)
-    # The process-group timeout follows the collective timeout, less the time the diagnosis takes.
-    assert cls(collective_timeout_s=60.0)._timeout == timedelta(seconds=54.0)
-    assert cls(timeout=timedelta(seconds=7))._timeout == timedelta(seconds=7)
+    # One timeout bounds SCAPE's collectives and Lightning's: the process group's is the engine's wait, the
+    # timeout less the time the diagnosis takes (three heartbeats of T / 30).
+    strategy = cls(timeout=timedelta(seconds=60))
+    assert strategy.scape_run.timeout_s == 60.0 and strategy._timeout == timedelta(seconds=54.0)
+    assert cls()._timeout == timedelta(seconds=1800 - 6.0)  # 30 minutes, heartbeats every 2 s
+    with pytest.raises(ValueError, match=r"positive datetime\.timedelta"):
+        cls(timeout=60)
+    with pytest.raises(TypeError, match=r"ScapeStrategy has no option 'collective_timeout_s' any more.*timeout="):
+        cls(collective_timeout_s=60.0)
+    assert cls(resume_with_new_config=True).scape_run.resume_with_new_config
 
 
 def test_option_names_are_the_config_fields() -> None:
@@ -217,9 +224,13 @@ def test_a_state_that_does_not_fit_changes_nothing() -> None:
     with pytest.raises(ValueError, match="not written by a SCAPE strategy"):
         opt.load_state_dict(torch.optim.AdamW(net.parameters()).state_dict())
     assert all(torch.equal(a, bs.momentum) for a, bs in zip(momentum, opt.engine.buckets, strict=True))
-    # Only the collective timeout may differ.
-    timeout = {**good, "scape": {**good["scape"], "config": {**good["scape"]["config"], "collective_timeout_s": 5.0}}}
-    opt.load_state_dict(timeout)
+    # A state saved by an earlier version holds its options: one that never changed a run is passed over, one saved
+    # at a value this version no longer offers is a change of settings.
+    old = {**good["scape"]["config"], "collective_timeout_s": 5.0, "seed": 3, "mask_refresh_interval": 1}
+    opt.load_state_dict({**good, "scape": {**good["scape"], "config": old}})
+    refreshed = {**good["scape"]["config"], "mask_refresh_interval": 4}
+    with pytest.raises(ValueError, match=r"'mask_refresh_interval': \(4, 1\).*resume_with_new_config=True"):
+        opt.load_state_dict({**good, "scape": {**good["scape"], "config": refreshed}})
 
 
 # ---------------------------------------------------------------------------------------- checkpoints

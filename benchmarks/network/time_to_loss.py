@@ -509,7 +509,7 @@ def scape_config_lines(per: dict[str, dict[str, Any]]) -> list[str]:
     """What the SCAPE rows ran with (the package's defaults at run time) and PowerSGD's vanilla phase."""
     lines = []
     fields = (
-        *("density", "dense_warmup_steps", "density_ramp_steps", "density_ramp_shape", "mask_statistic"),
+        *("density", "dense_warmup_steps", "density_ramp_steps"),
         *("catch_up_cap", "exploration", "chunk_size", "sharded", "wire_format"),
     )
     for p in per.values():

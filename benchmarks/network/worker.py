@@ -444,8 +444,6 @@ def ttl_scape_config(name: str, chunk_size: int = 0, overrides: dict[str, Any] |
         cfg = cfg.replace(density=float(name.rsplit("_d", 1)[1]))
     if name.endswith("_dense"):
         cfg = cfg.replace(dense_warmup_steps=10**9)
-    if "gradient" in name:
-        cfg = cfg.replace(mask_statistic="gradient")
     if "int8" in name:
         cfg = cfg.replace(wire_format="int8")
     if chunk_size:
@@ -476,7 +474,6 @@ class ScapeMethod(Method):
                 dense_warmup_steps=spec.warmup,
                 # The step-time mode measures the sparse step at its density, right after a short warm-up.
                 density_ramp_steps=0,
-                mask_statistic="gradient" if name.startswith("scape_gradient") else "momentum",
                 bucket_cap_mb=BUCKET_CAP_MB,
             )
         self.opt = AdamS(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
@@ -486,6 +483,10 @@ class ScapeMethod(Method):
             ProcessGroupCommunicator(timeout_s=spec.timeout_s),
             param_order=list(self.model.parameters()),
         )
+        # The baseline's masks score |e|, the raw gradient with its residual (top-k with error feedback).
+        self.gradient_statistic = "gradient" in name
+        if self.gradient_statistic:
+            self.engine.masks.statistic = "gradient"
         self.counters = self.engine.counters
         self.max_grad_norm = spec.max_grad_norm
         self._watch_gradients()
@@ -509,7 +510,7 @@ class ScapeMethod(Method):
         w, slots, b = self.world_size, self.engine.slots, 4
         if self.config.sharded:
             return sharded_scape_bytes(w, slots)
-        indices = (w - 1) * slots * 2 // w if self.config.mask_statistic == "gradient" else 0
+        indices = (w - 1) * slots * 2 // w if self.gradient_statistic else 0
         return 2 * (w - 1) * slots * b // w + indices
 
 

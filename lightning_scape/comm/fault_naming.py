@@ -4,7 +4,7 @@ Each process publishes a heartbeat (liveness and how many SCAPE collectives it h
 rendezvous store. When a collective fails or times out, the waiting rank watches the others' heartbeats
 for a few intervals and says which rank died or froze, or which one never issued the collective.
 
-Timing, for a collective timeout T (``ScapeConfig.collective_timeout_s``): heartbeats every
+Timing, for a collective timeout T (the strategies' ``timeout``): heartbeats every
 :func:`heartbeat_interval` (T / 30, within [0.1, 2] s); a diagnosis watches for :func:`diagnosis_seconds`
 (three intervals, at most 6 s); a wait gives up after :func:`collective_wait_seconds` (T less the
 diagnosis, at least T / 2), so the error, diagnosis included, comes within T.
@@ -191,7 +191,7 @@ class FaultNamingCommunicator:
     process, whichever group it runs on).
 
     Args:
-        timeout_s: The engine's collective timeout (``collective_timeout_s``).
+        timeout_s: The collective timeout (the strategies' ``timeout``), in seconds.
         group: The process group (None: the default group).
     """
 

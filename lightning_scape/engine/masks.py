@@ -5,11 +5,10 @@ of rank r's shard, and every rank holds the whole mask. Each rank builds the row
 momentum and residual (partitioned generation) and all-gathers them; the gather stays in flight until the
 step that uses the mask needs it.
 
-Policy, with D = ``dense_warmup_steps``, R = ``mask_refresh_interval`` and k = ``mask_delay``: the mask of
-sparse step u is new when ``(u - 1 - D) % R == 0``, and the last built one otherwise. With k >= 1 it is
-built at the end of step u - k (the first one at the end of the warm-up, or at construction without a
-warm-up) and queued; with k = 0 it is built inside step u's backward pass from ``e + g`` and waited on at
-once. Every rank builds and gathers at the same points, so every rank issues the same collectives.
+Policy, with k = ``mask_delay``: every sparse step u has a new mask. With k = 1 it is built at the end of step
+u - 1 (the first one at the end of the warm-up, or at construction without a warm-up) and queued; with k = 0 it
+is built inside step u's backward pass from ``e + g`` and waited on at once. Every rank builds and gathers at
+the same points, so every rank issues the same collectives.
 """
 
 from __future__ import annotations
@@ -43,6 +42,10 @@ class MaskSchedule:
         config: The SCAPE configuration.
         wire: The group's collectives (the index all-gathers), counted.
         beta1_of: The b1 of a bucket's param group (the momentum statistic reads it at build time).
+
+    ``statistic`` is what an owner scores: ``"momentum"``, ``|b1*m + (1-b1)*e|``. The benchmarks set it to
+    ``"gradient"`` (``|e|``: raw-gradient top-k with error feedback) for the baseline SCAPE is compared with; it is
+    not an option.
     """
 
     def __init__(
@@ -58,20 +61,20 @@ class MaskSchedule:
         self.beta1_of = beta1_of
         self.queues: list[deque[Mask]] = [deque() for _ in buckets]
         self.last_built: list[Mask | None] = [None] * len(buckets)
-        self.refresh_count = 0  # completed refreshes; it places the exploration window and seeds "random"
+        self.statistic = "momentum"
+        self.refresh_count = 0  # completed refreshes (every bucket's mask built anew): places the exploration window
         self._built_in_refresh = 0
 
     @property
     def is_local(self) -> bool:
-        """Whether every rank computes every mask from identical state (no index traffic)."""
-        cfg = self.config
-        return cfg.mask_statistic == "random" or (not cfg.sharded and cfg.mask_statistic == "momentum")
+        """Whether every rank computes every mask from identical state (no index traffic): replicated momentum."""
+        return not self.config.sharded and self.statistic == "momentum"
 
     # ---------------------------------------------------------------------------- the schedule
 
     def begin(self) -> None:
         """The first masks (end of the dense warm-up, or construction without one)."""
-        self._queue(new=True, for_step=self.config.dense_steps + 1)
+        self._queue(for_step=self.config.dense_steps + 1)
 
     def drop(self) -> None:
         """Wait for every mask's all-gather and drop them all (the engine's form turns dense)."""
@@ -91,7 +94,7 @@ class MaskSchedule:
         self.drop()
         if step >= self.config.dense_steps and self.config.mask_delay > 0:
             self.refresh_count = max(0, self.refresh_count - 1)
-            self._queue(new=True, for_step=step + 1)
+            self._queue(for_step=step + 1)
 
     def add_buckets(
         self, new: list[BucketState], step: int, kept: Mapping[int, tuple[list[Tensor], Tensor | None]] | None = None
@@ -99,7 +102,7 @@ class MaskSchedule:
         """Buckets that joined the engine after step ``step`` (already in ``buckets``), e.g. unfrozen parameters.
 
         During the warm-up nothing more: its end builds their first masks with the others'. After it, each gets
-        a mask now, from its statistics (zero for new parameters: the exploration window and the random slots),
+        a mask now, from its statistics (zero for new parameters: the exploration window, then the first chunks),
         queued like the others' (``mask_delay`` copies); it does not count as a refresh. A bucket in ``kept``
         (index: its saved queued masks and last built one) takes those instead. Every rank must call this at the
         same point (the index all-gathers).
@@ -135,9 +138,7 @@ class MaskSchedule:
 
     def after_sparse_step(self, step: int) -> None:
         """At the end of sparse step ``step``: queue the mask of the step ``mask_delay`` steps later."""
-        cfg = self.config
-        new = (step - cfg.dense_steps) % cfg.mask_refresh_interval == 0
-        self._queue(new, for_step=step + cfg.mask_delay)
+        self._queue(for_step=step + self.config.mask_delay)
 
     def for_launch(self, i: int, step: int) -> Tensor:
         """The mask bucket ``i`` sends with at sparse step ``step``, its all-gather waited on.
@@ -193,8 +194,8 @@ class MaskSchedule:
 
     # ---------------------------------------------------------------------------- building
 
-    def _queue(self, new: bool, for_step: int) -> None:
-        """Queue (a new, or the last built) mask until ``mask_delay`` masks wait beyond the one in use.
+    def _queue(self, for_step: int) -> None:
+        """Build a new mask and queue it, so that ``mask_delay`` masks wait beyond the one in use.
 
         A new mask has the slots per chunk of ``for_step``, the first step that uses it.
         """
@@ -205,20 +206,16 @@ class MaskSchedule:
             queue = self.queues[i]
             # Inside a step the queue still holds the mask in use, dropped when the step finishes.
             target = delay + (1 if queue else 0)
-            if new or self.last_built[i] is None:
-                self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard], for_step)
+            self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard], for_step)
             while len(queue) < target:
                 built = self.last_built[i]
                 assert built is not None
                 queue.append(built)
 
     def _build_from_current_gradient(self, i: int, step: int) -> None:
-        """``mask_delay=0``: score ``e + g`` of this step (the refresh policy decides if a new mask is built)."""
-        cfg, bs = self.config, self.buckets[i]
-        since_warmup = step - 1 - cfg.dense_steps
-        if self.last_built[i] is None or since_warmup % cfg.mask_refresh_interval == 0:
-            residual = bs.residual[bs.shard] + bs.grads[bs.shard]
-            self._build(i, bs.shard_of_region(bs.momentum), residual, step)
+        """``mask_delay=0``: score ``e + g`` of this step."""
+        bs = self.buckets[i]
+        self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard] + bs.grads[bs.shard], step)
         queue = self.queues[i]
         queue.clear()
         built = self.last_built[i]
@@ -236,18 +233,13 @@ class MaskSchedule:
         ke = cfg.explore_slots(k)
         offset = (self.refresh_count * ke) % C
         dev = bs.params.device
-        if cfg.mask_statistic == "random":
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(hash((cfg.seed, bs.layout.index, self.refresh_count)) & 0x7FFF_FFFF_FFFF)
-            scores = torch.rand(bs.layout.padded_numel, generator=gen, device=dev)
-            mask = Mask(kernels.chunk_topk(scores, C, k, ke, offset))
-        elif self.is_local:
+        if self.is_local:
             # Replicated momentum statistic: the full |m| is identical on every rank (the residual is not),
             # so every rank computes every shard's mask and nothing is sent. select_mask's "gradient"
             # statistic is |second argument|: here |m|.
             mask = Mask(kernels.select_mask(bs.momentum, bs.momentum, self.beta1_of(bs), "gradient", C, k, ke, offset))
         else:
-            own = kernels.select_mask(momentum, residual, self.beta1_of(bs), cfg.mask_statistic, C, k, ke, offset)
+            own = kernels.select_mask(momentum, residual, self.beta1_of(bs), self.statistic, C, k, ke, offset)
             full = torch.empty(bs.layout.chunks, k, dtype=torch.int16, device=dev)
             mask = Mask(full, self.wire.all_gather("indices", full.view(-1), own.view(-1)))
         self.last_built[i] = mask

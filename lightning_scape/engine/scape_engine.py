@@ -44,15 +44,11 @@ __all__ = ["BucketState", "ScapeEngine"]
 class ScapeEngine:
     """SCAPE for the trainable parameters of one optimizer on one data-parallel group.
 
-    On construction the engine flattens the parameters into buckets: every trainable parameter becomes
-    a view into its bucket's flat buffer (so its storage moves; call this before ``torch.compile`` and
-    after moving the model to its device), and its ``.grad`` becomes a view into the bucket's gradient
-    buffer. Frozen parameters (``requires_grad=False``) are left alone until they are unfrozen
-    (:meth:`add_trainable_params`; an engine whose parameters are all frozen has no buckets and its steps do
-    nothing); tied parameters count once.
-
-    ``param.grad`` keeps this rank's gradient (the synchronised one stays inside: :meth:`global_grad_norm`), and
-    backward passes before a step add up as under DDP, each sending (``docs/lightning.md``).
+    On construction every trainable parameter becomes a view into its bucket's flat buffer (its storage moves:
+    build the engine after moving the model to its device and before ``torch.compile``), and its ``.grad`` a view
+    into the bucket's gradient buffer; frozen parameters join when unfrozen (:meth:`add_trainable_params`), tied
+    ones count once. ``param.grad`` keeps this rank's gradient (the synchronised one stays inside:
+    :meth:`global_grad_norm`); backward passes before a step add up as under DDP, each sending.
 
     Args:
         optimizer: An :class:`~lightning_scape.AdamS` (or any optimizer whose param groups carry
@@ -74,6 +70,8 @@ class ScapeEngine:
             all-reduce per step). :attr:`last_step_skipped` tells the ``GradScaler``.
         form_pilot: Chooses the form when ``config`` leaves it to SCAPE (``ScapeConfig.chooses_form``); default:
             the package's :class:`~lightning_scape.planning.pilot.FormPilot`. Ignored for a fixed form.
+        resume_with_new_config: Let a load take a state saved with other settings but the same layout, carried into
+            ``config`` (``docs/lightning.md``, "Changing SCAPE settings on resume"); False refuses it.
 
     ``requested_config`` is the configuration as given; ``config`` the form in use (what SCAPE chose, if it chooses).
     """
@@ -88,8 +86,10 @@ class ScapeEngine:
         loss_scale: Callable[[], float] | None = None,
         skip_nonfinite: bool = False,
         form_pilot: form_switch.Pilot | None = None,
+        resume_with_new_config: bool = False,
     ) -> None:
         self.optimizer = optimizer
+        self.resume_with_new_config = resume_with_new_config
         self.requested_config = config or ScapeConfig()
         self.config = cfg = self.requested_config.start_form()
         self.pilot = (form_pilot or form_switch.default_pilot()) if self.requested_config.chooses_form else None

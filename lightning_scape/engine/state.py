@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_scape.adams import state_dtype_for
-from lightning_scape.config import FIXED_FORM_DENSITY, ScapeConfig
+from lightning_scape.config import FIXED_FORM_DENSITY, REMOVED_OPTIONS, ScapeConfig
 from lightning_scape.engine import form_switch, joining
 from lightning_scape.engine.layout import Bucket, ParamPlace
 from lightning_scape.engine.waiting import WaitingBucket
@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 
 # Version 2: masks are saved as their indices alone, and the byte counters without received bytes.
 STATE_VERSION = 2
-# Fields that may differ between the run that saved a state and the one that loads it.
-_RESUMABLE_CHANGES = frozenset({"collective_timeout_s", "resume_with_new_config"})
 # Fields that decide how the state is laid out: not even ``resume_with_new_config`` changes them.
 _LAYOUT_FIELDS = ("chunk_size", "sharded", "bucket_cap_mb")
 # In a re-sharded state: the world size that saved it. Its masks are empty and rebuilt when it is loaded.
@@ -179,7 +177,7 @@ def _bucket_state(
 def check_engine_state(engine: ScapeEngine, state: Any) -> None:
     """Raise ``ValueError`` unless :func:`load_engine_state` can restore ``state`` exactly; changes nothing.
 
-    Checks the format version, world size and rank, the configuration (``collective_timeout_s`` may differ),
+    Checks the format version, world size and rank, the configuration (:func:`check_config`),
     the bucket layout (:func:`_pair_buckets`), and the shape and dtype of every saved tensor.
     """
     _check_version(state)
@@ -582,18 +580,23 @@ def _check_version(state: Any) -> None:
 
 
 def _check_config(engine: ScapeEngine, state: dict[str, Any]) -> None:
-    check_config(engine.requested_config, state["config"])
+    check_config(engine.requested_config, state["config"], engine.resume_with_new_config)
 
 
 def config_changes(config: ScapeConfig, saved: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """The fields in which ``config`` differs from ``saved`` (a ``to_dict``), as ``{field: (saved, current)}``.
 
-    ``collective_timeout_s`` and ``resume_with_new_config`` are left out: they never keep a state from loading.
+    An option of an earlier version (:data:`~lightning_scape.config.REMOVED_OPTIONS`) counts as changed where it was
+    saved at another value than the one this version always takes; one that never changed a run is left out.
     """
     mine = _fixed_form_spelled_out(config.to_dict())
     # A field added since the state was saved was at its default then.
     before = _fixed_form_spelled_out({**ScapeConfig().to_dict(), **saved})
-    return {k: (before[k], v) for k, v in mine.items() if k not in _RESUMABLE_CHANGES and before[k] != v}
+    changes = {k: (before[k], v) for k, v in mine.items() if before[k] != v}
+    for name, (now, _) in REMOVED_OPTIONS.items():
+        if now is not None and name in saved and saved[name] != now:
+            changes[name] = (saved[name], now)
+    return changes
 
 
 def _fixed_form_spelled_out(fields: dict[str, Any]) -> dict[str, Any]:
@@ -605,16 +608,16 @@ def _fixed_form_spelled_out(fields: dict[str, Any]) -> dict[str, Any]:
     return {**fields, "wire_format": fields["wire_format"] or "full", "density": density}
 
 
-def check_config(config: ScapeConfig, saved: Mapping[str, Any]) -> None:
+def check_config(config: ScapeConfig, saved: Mapping[str, Any], resume_with_new_config: bool = False) -> None:
     """Raise ``ValueError`` unless a state saved with configuration ``saved`` (a ``to_dict``) resumes under ``config``.
 
-    Every field must match except ``collective_timeout_s``, or, with ``config.resume_with_new_config``, all but
-    the layout's (``chunk_size``, ``sharded``, ``bucket_cap_mb``); the message lists the fields that differ.
+    Every field must match (:func:`config_changes`), or, with ``resume_with_new_config``, all but the layout's
+    (``chunk_size``, ``sharded``, ``bucket_cap_mb``); the message lists the fields that differ.
     """
     diff = config_changes(config, saved)
     if not diff:
         return
-    if config.resume_with_new_config:
+    if resume_with_new_config:
         fixed = {k: v for k, v in diff.items() if k in _LAYOUT_FIELDS}
         if fixed:
             raise ValueError(
@@ -625,8 +628,8 @@ def check_config(config: ScapeConfig, saved: Mapping[str, Any]) -> None:
         return
     raise ValueError(
         f"SCAPE state comes from another configuration (field: (saved, current)): {diff}. Resume with "
-        "the configuration the checkpoint was written with, or pass resume_with_new_config=True to carry the "
-        "weights, momentum and residuals into the new one (the masks are rebuilt)."
+        "the configuration the checkpoint was written with, or pass resume_with_new_config=True (to the strategy) to "
+        "carry the weights, momentum and residuals into the new one (the masks are rebuilt)."
     )
 
 

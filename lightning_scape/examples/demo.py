@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,8 @@ from lightning_scape.wiring.warmup_notice import DenseWarmupWarning
 WORLD_SIZE = 2
 METHODS = ("dense", "scape")
 CSV_COLUMNS = ("method", "step", "train_loss", "bytes_sent", "cumulative_bytes_sent", "val_loss")
-# A failed or stuck rank should end the demo in minutes, not after ScapeConfig's 30-minute default.
-COLLECTIVE_TIMEOUT_S = 120.0
+# A failed or stuck rank should end the demo in minutes, not after the strategies' 30-minute default.
+COLLECTIVE_TIMEOUT = timedelta(minutes=2)
 # Tokens/s differences below this fraction are noise on a shared machine: the notes call them the same.
 SPEED_NOISE = 0.005
 
@@ -255,13 +256,11 @@ def method_config(args: DemoArgs, method: str) -> ScapeConfig:
             sharded=False,
             dense_warmup_steps=args.steps + 1,
             density_ramp_steps=0,
-            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
         )
     return ScapeConfig(
         density=args.density,
         dense_warmup_steps=args.warmup,
         density_ramp_steps=args.ramp,
-        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
     )
 
 
@@ -277,7 +276,12 @@ def run_method(args: DemoArgs, method: str, tokens_file: str, vocab_size: int) -
     Returns:
         The result dict of rank 0 (see the keys at the end of ``_result``).
     """
-    strategy = ScapeStrategy(start_method="spawn", process_group_backend="gloo", config=method_config(args, method))
+    strategy = ScapeStrategy(
+        start_method="spawn",
+        process_group_backend="gloo",
+        timeout=COLLECTIVE_TIMEOUT,
+        config=method_config(args, method),
+    )
     strategy.log_run_summary = False  # the demo's table sums both runs up
     with _restored_environ():
         # A fresh port per run: the previous run's store may still hold its port in TIME_WAIT.

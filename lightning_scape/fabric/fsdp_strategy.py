@@ -26,11 +26,11 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_scape.comm import stop_heartbeat
-from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
+from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.fabric.set_up_objects import SetUpObjects
 from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
-from lightning_scape.wiring.options import process_group_timeout, resolve_config
+from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
 from lightning_scape.wiring.warmup_notice import Syntax, WarmupNotice, call_at_exit
 
 if TYPE_CHECKING:
@@ -70,7 +70,8 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
             default ``{litgpt.model.Block}``. One unit per transformer block keeps only one block's full
             parameters alive at a time; the root module is always a unit (embeddings, head, final norm).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default: NCCL on CUDA, gloo on the CPU.
-        timeout: Process-group timeout; default ``collective_timeout_s``.
+        timeout: How long any collective may wait (default 30 minutes): see below.
+        resume_with_new_config: Load a checkpoint saved with other SCAPE settings, on purpose: see below.
         config: A whole :class:`~lightning_scape.ScapeConfig`; keyword options below override its fields.
         **options: Any :class:`~lightning_scape.ScapeConfig` field.
     """
@@ -78,7 +79,7 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
     _setup_call = "fabric.setup_optimizers(optimizer)"
     _summary_baseline = "HSDP"  # its engines send each rank's shard across the groups
 
-    __doc__ = (__doc__ or "") + options_doc()
+    __doc__ = (__doc__ or "") + strategy_options_doc()
 
     def __init__(
         self,
@@ -86,14 +87,16 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
         auto_wrap_policy: fsdp.WrapPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
+        resume_with_new_config: bool = False,
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
         self.scape_config = resolve_config(config, options)
+        self.scape_run = RunSettings.of(timeout, resume_with_new_config)
         super().__init__(
             parallelize_fn=self._parallelize,
             process_group_backend=process_group_backend,
-            timeout=process_group_timeout(timeout, self.scape_config),
+            timeout=self.scape_run.process_group_timeout,
         )
         self._shard_size = shard_size
         self._wrap_policy = auto_wrap_policy
@@ -174,8 +177,10 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
                     "ScapeFSDPStrategy found no set-up model whose parameters this optimizer holds. Create it "
                     "after model = fabric.setup_module(model), from model.parameters()."
                 )
-            comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
-            scape, binding = fsdp.build_fsdp_scape_optimizer(optimizer, self.scape_config, module, comm, self.grid)
+            comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
+            scape, binding = fsdp.build_fsdp_scape_optimizer(
+                optimizer, self.scape_config, module, comm, self.grid, self.scape_run.resume_with_new_config
+            )
         self._scape_optimizers.append(scape)
         self._bindings.append(binding)
         if not self._exit_hook_registered:  # Fabric does not tear its strategy down: the summary comes at exit

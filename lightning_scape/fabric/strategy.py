@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
+from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.fabric.set_up_objects import SetUpObjects
 from lightning_scape.wiring import (
     checkpoint_protocol,
@@ -40,7 +40,7 @@ from lightning_scape.wiring import (
     warmup_notice,
 )
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
-from lightning_scape.wiring.options import process_group_timeout, resolve_config
+from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
@@ -82,16 +82,15 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
         checkpoint_io: How checkpoint files are written; the per-rank SCAPE files go through it as well.
         precision: The precision plugin (Fabric builds it from ``Fabric(precision=...)``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default: NCCL on CUDA, gloo on the CPU.
-        timeout: Process-group timeout for Lightning's own collectives; default ``collective_timeout_s``. Keep
-            it close to ``collective_timeout_s``: a failed rank's process cannot exit while a gloo/NCCL
-            operation is still waiting for a dead peer.
+        timeout: How long any collective may wait (default 30 minutes): see below.
+        resume_with_new_config: Load a checkpoint saved with other SCAPE settings, on purpose: see below.
         start_method: ``"popen"`` (default: re-runs the script for every local rank), ``"spawn"``, ``"fork"``
             or ``"forkserver"`` (for notebooks and functions launched with ``fabric.launch(fn)``).
         config: A whole :class:`~lightning_scape.ScapeConfig`; keyword options below override its fields.
         **options: Any :class:`~lightning_scape.ScapeConfig` field.
     """
 
-    __doc__ = (__doc__ or "") + options_doc()
+    __doc__ = (__doc__ or "") + strategy_options_doc()
 
     def __init__(
         self,
@@ -103,10 +102,12 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        resume_with_new_config: bool = False,
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
         self.scape_config = resolve_config(config, options)
+        self.scape_run = RunSettings.of(timeout, resume_with_new_config)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -114,7 +115,7 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=process_group_timeout(timeout, self.scape_config),
+            timeout=self.scape_run.process_group_timeout,
             start_method=start_method,
         )
         self._backward_sync_control = _ScapeBackwardSyncControl(self)
@@ -169,7 +170,7 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
         module = self._module_of(optimizer)
         scaler = loss_scaling.grad_scaler_of(self.precision)
         with rank_failures.agreed("Setting up the optimizer for ScapeStrategy"):
-            scape = engine_setup.build_scape_optimizer(optimizer, self.scape_config, module, scaler)
+            scape = engine_setup.build_scape_optimizer(optimizer, self.scape_config, module, scaler, self.scape_run)
         self._scape_optimizers.append(scape)
         self._check_schedule()
         if not self._exit_hook_registered:
@@ -294,7 +295,7 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
         checkpoint, full = checkpoint_protocol.read_and_check(
             self.checkpoint_io,
             path,
-            lambda main: _load_plan(main, state, scape, strict, self.scape_config),
+            lambda main: _load_plan(main, state, scape, strict, self.scape_config, self.scape_run),
             rank=self.global_rank,
             world_size=self.world_size,
             weights_only=weights_only,
@@ -394,6 +395,7 @@ def _load_plan(
     scape: dict[str, ScapeOptimizer],
     strict: bool,
     config: ScapeConfig,
+    run: RunSettings,
 ) -> checkpoint_protocol.LoadPlan:
     """What ``fabric.load(path, state)`` loads from ``checkpoint``: the state's SCAPE optimizers and modules.
 
@@ -403,7 +405,8 @@ def _load_plan(
         scape: The SCAPE optimizers among ``state``, by key.
         strict: Whether every key of ``state`` must be in the checkpoint and modules must fit exactly.
         config: The strategy's SCAPE configuration, which the stubs' must match (or, with
-            ``resume_with_new_config``, may differ from: the state is then carried over and its masks rebuilt).
+            ``run.resume_with_new_config``, may differ from: the state is then carried over and its masks rebuilt).
+        run: The strategy's run settings.
 
     Returns:
         The plan for :func:`~lightning_scape.wiring.checkpoint_protocol.read_and_check`.
@@ -417,6 +420,7 @@ def _load_plan(
         required=tuple(state) if strict else (),
         name_keys=True,
         config=config if scape else None,
+        resume_with_new_config=run.resume_with_new_config,
     )
 
 

@@ -24,17 +24,20 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from litgpt.args import EvalArgs, LogArgs, TrainArgs
 
-from lightning_scape.config import ScapeConfig
+from lightning_scape.config import REMOVED_OPTIONS, ScapeConfig
 from lightning_scape.litgpt.litgpt_adaptations import litgpt_adapted
+from lightning_scape.wiring.options import DEFAULT_TIMEOUT, RunSettings
 from lightning_scape.wiring.run_summary import summary_line, summary_lines
 
 if TYPE_CHECKING:
@@ -92,6 +95,7 @@ def pretrain(
     precision: str | None = None,
     initial_checkpoint_dir: Path | None = None,
     resume: bool | Literal["auto"] | Path = False,
+    resume_with_new_config: bool = False,
     data: DataModule | None = None,
     train: TrainArgs = LITGPT_TRAIN_DEFAULTS,
     eval: EvalArgs = LITGPT_EVAL_DEFAULTS,
@@ -106,31 +110,27 @@ def pretrain(
     scape: ScapeConfig = ScapeConfig(),  # noqa: B008  # frozen
     fsdp: FSDPArgs = FSDPArgs(),  # frozen
     process_group_backend: Literal["nccl", "gloo"] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT.total_seconds(),
     compile: bool | None = None,
     comm_log_interval: int = 0,
     _hyperparameters: dict[str, Any] | None = None,
 ) -> None:
     """Pretrain a litgpt model with SCAPE sparse data parallelism.
 
-    The arguments are litgpt's ``pretrain`` arguments, with the same meaning (see ``litgpt pretrain --help``),
-    plus ``accelerator``, ``scape``, ``process_group_backend``, ``compile`` and ``comm_log_interval``; the
-    recipes in ``recipes/`` show them all.
+    litgpt's ``pretrain`` arguments (``litgpt pretrain --help``) and SCAPE's: the recipes in ``recipes/`` show all.
 
     Args:
         model_name: A name from ``litgpt.config`` (``pythia-14m``, ...). Ignored when ``model_config`` is set.
         model_config: A full ``litgpt.Config`` (the Llama-like recipes define their own).
         out_dir: Checkpoints (``step-XXXXXXXX/lit_model.pth`` plus its per-rank ``.scape`` folder) and logs.
-        precision: "32-true", "bf16-mixed" or "16-mixed"; default bf16-mixed on GPUs that support it, else
-            32-true. "bf16-true" is refused: the residual and AdamS would run in bf16.
+        precision: "32-true", "bf16-mixed" (the default on GPUs that support it) or "16-mixed".
         initial_checkpoint_dir: A litgpt checkpoint to start from (continued pretraining).
-        resume: A ``lit_model.pth`` to resume from, ``True`` for the latest in ``out_dir``, or ``"auto"``.
-            Another ``devices`` / ``num_nodes`` than the run that wrote it is fine (the SCAPE state is
-            re-sharded and litgpt's position rescaled); keep ``global_batch_size`` and ``micro_batch_size``.
-        data: A litgpt ``DataModule``; default :class:`~lightning_scape.litgpt.data.TextFolder` on the Python
-            standard library's sources (offline).
-        train: litgpt ``TrainArgs`` (batch sizes, ``max_tokens``, ``max_norm``, warm-up, ``save_interval``,
-            ``log_interval``). The run stops on ``max_tokens``; ``max_steps`` and ``max_time``, which litgpt's
-            pretraining loop ignores, and ``epochs``, which it refuses, are refused before launch.
+        resume: A ``lit_model.pth`` to resume from, ``True`` for the latest in ``out_dir``, or ``"auto"``, on any
+            ``devices`` / ``num_nodes`` (keep ``global_batch_size`` and ``micro_batch_size``).
+        resume_with_new_config: Resume a checkpoint written with other ``scape`` settings (the strategy's argument).
+        data: A litgpt ``DataModule``; default: :class:`~lightning_scape.litgpt.data.TextFolder` (offline).
+        train: litgpt ``TrainArgs``. The run stops on ``max_tokens``; ``max_steps``, ``max_time`` and ``epochs``,
+            which litgpt's pretraining loop ignores or refuses, are refused before launch.
         eval: litgpt ``EvalArgs`` (``max_new_tokens`` is refused: pretraining generates nothing).
         log: litgpt ``LogArgs``.
         optimizer: litgpt's optimizer spec; AdamW/Adam become AdamS, same hyperparameters (or name AdamS).
@@ -143,6 +143,7 @@ def pretrain(
         scape: The SCAPE section (:class:`~lightning_scape.ScapeConfig`); every field has tuning advice there.
         fsdp: The FSDP form (:class:`FSDPArgs`): ``--fsdp.shard_size 8`` shards the model inside each node.
         process_group_backend: "nccl" or "gloo"; default NCCL on GPUs, gloo on CPU.
+        timeout_s: How long any collective may wait, in seconds (the strategy's ``timeout``).
         compile: Compile the model with ``torch.compile``, as litgpt does. Default: on with CUDA, off on the CPU,
             where compiling takes longer than a short run trains (timings of recipes/debug.yaml in docs/litgpt.md).
         comm_log_interval: Every this many optimizer steps, log SCAPE's ``comm/`` keys (0: ``train.log_interval``).
@@ -163,7 +164,8 @@ def pretrain(
         devices=devices,
         tokenizer_dir=tokenizer_dir,
     )
-    check_resume(resume, recipe.out_dir, scape)
+    run = _run_settings(timeout_s, resume_with_new_config)
+    check_resume(resume, recipe.out_dir, scape, run.resume_with_new_config)
     fabric, comm_logger = _launch_fabric(
         recipe,
         accelerator=accelerator,
@@ -175,6 +177,7 @@ def pretrain(
         scape=scape,
         fsdp=fsdp,
         process_group_backend=process_group_backend,
+        run=run,
         comm_log_interval=comm_log_interval,
         hyperparameters=_hyperparameters,
     )
@@ -377,6 +380,7 @@ def _launch_fabric(
     scape: ScapeConfig,
     fsdp: FSDPArgs,
     process_group_backend: Literal["nccl", "gloo"] | None,
+    run: RunSettings,
     comm_log_interval: int,
     hyperparameters: dict[str, Any] | None,
 ) -> tuple[L.Fabric, _CommunicationLogger]:
@@ -393,7 +397,7 @@ def _launch_fabric(
         log_args=dataclasses.asdict(log),
     )
     comm_logger = _CommunicationLogger(comm_log_interval or train.log_interval, train, recipe)
-    strategy = _strategy(recipe, num_nodes, scape, fsdp, process_group_backend)
+    strategy = _strategy(recipe, num_nodes, scape, fsdp, process_group_backend, run)
     strategy.log_run_summary = False  # its lines are in the command's own summary (report_total)
     fabric = L.Fabric(
         accelerator=accelerator,
@@ -423,12 +427,20 @@ def _launch_fabric(
     return fabric, comm_logger
 
 
+def _run_settings(timeout_s: float, resume_with_new_config: bool) -> RunSettings:
+    """The strategy's settings from the command line's ``timeout_s`` and ``resume_with_new_config``."""
+    if not timeout_s > 0:
+        raise RecipeError(f"timeout_s={timeout_s} must be > 0 (seconds a collective may wait; default 1800).")
+    return RunSettings.of(timedelta(seconds=timeout_s), resume_with_new_config)
+
+
 def _strategy(
     recipe: _Recipe,
     num_nodes: int,
     scape: ScapeConfig,
     fsdp: FSDPArgs,
     process_group_backend: Literal["nccl", "gloo"] | None,
+    run: RunSettings,
 ) -> ScapeStrategy | ScapeFSDPStrategy:
     """The DDP form, or with ``fsdp.shard_size`` set the FSDP form with litgpt's ``Block`` as the FSDP unit.
 
@@ -438,7 +450,12 @@ def _strategy(
     from lightning_scape.fabric import fsdp_strategy, strategy
 
     if fsdp.shard_size is None:
-        return strategy.ScapeStrategy(config=scape, process_group_backend=process_group_backend)
+        return strategy.ScapeStrategy(
+            config=scape,
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=run.timeout_s),
+            resume_with_new_config=run.resume_with_new_config,
+        )
     from litgpt.model import Block
 
     world = recipe.n_devices * num_nodes
@@ -458,6 +475,8 @@ def _strategy(
         shard_size=fsdp.shard_size,
         auto_wrap_policy={Block},
         process_group_backend=process_group_backend,
+        timeout=timedelta(seconds=run.timeout_s),
+        resume_with_new_config=run.resume_with_new_config,
         config=scape,
     )
 
@@ -487,7 +506,9 @@ def check_precision(precision: str) -> None:
         )
 
 
-def check_resume(resume: bool | Literal["auto"] | Path, out_dir: Path, scape: ScapeConfig) -> None:
+def check_resume(
+    resume: bool | Literal["auto"] | Path, out_dir: Path, scape: ScapeConfig, resume_with_new_config: bool = False
+) -> None:
     """Refuse, before launch, a ``--resume`` checkpoint written with other SCAPE settings than ``scape``.
 
     Reads only the checkpoint's SCAPE stub (the file is memory-mapped); a checkpoint that cannot be read here
@@ -513,15 +534,19 @@ def check_resume(resume: bool | Literal["auto"] | Path, out_dir: Path, scape: Sc
     if not is_scape_stub(stub):
         return
     try:
-        check_config(scape, stub["scape_checkpoint"]["config"])
+        check_config(scape, stub["scape_checkpoint"]["config"], resume_with_new_config)
     except ValueError as exc:
-        if scape.resume_with_new_config:
+        if resume_with_new_config:
             raise RecipeError(f"--resume {path}: {exc}") from None
         changes = config_changes(scape, stub["scape_checkpoint"]["config"])
-        saved = " ".join(f"--scape.{k} {_flag(old)}" for k, (old, _) in changes.items())
+        again = {k: old for k, (old, _) in changes.items() if k not in REMOVED_OPTIONS}
+        saved = " ".join(f"--scape.{k} {_flag(old)}" for k, old in again.items())
+        removed = sorted(set(changes) - set(again))
+        advice = f"pass them again ({saved}) to continue as it was, or " if not removed else ""
         raise RecipeError(
-            f"--resume {path} was written with other SCAPE settings; pass them again ({saved}) to continue as it "
-            "was, or add --scape.resume_with_new_config true to carry its weights, momentum and residuals into the "
+            f"--resume {path} was written with other SCAPE settings"
+            + (f" (among them {removed}, which this version no longer has)" if removed else "")
+            + f"; {advice}add --resume_with_new_config true to carry its weights, momentum and residuals into the "
             "new settings (the masks are rebuilt)."
         ) from None
 
@@ -802,4 +827,14 @@ def _parse_error(exc: BaseException) -> str:
         line = line.strip().removeprefix("- ")
         if line.startswith(("TextFolder:", "Invalid TextFolder:")):
             return line
+    for name in REMOVED_OPTIONS:
+        if re.search(rf"\bscape\.{name}\b|'{name}'", str(exc)):
+            return f"scape.{name} is no option any more: {_CLI_REPLACEMENTS.get(name, REMOVED_OPTIONS[name][1])}."
     return str(exc)
+
+
+# What replaces an option of an earlier version on the command line, where it is not what REMOVED_OPTIONS says.
+_CLI_REPLACEMENTS = {
+    "collective_timeout_s": "set the top-level timeout_s (--timeout_s 1800) instead",
+    "resume_with_new_config": "pass the top-level --resume_with_new_config true instead",
+}

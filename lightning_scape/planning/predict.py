@@ -117,7 +117,7 @@ def step_time(
 def mean_step(
     steps: Sequence[StepTraffic], compute: StepCompute, cluster: Cluster, extra_s: float, overlap_next: bool
 ) -> StepTime:
-    """The mean of :func:`step_time` over ``steps`` (the steps that repeat, for ``mask_refresh_interval > 1``)."""
+    """The mean of :func:`step_time` over ``steps`` (the steps that repeat)."""
     times = [step_time(s, compute, cluster, extra_s, overlap_next) for s in steps]
     n = len(times)
     return StepTime(*(sum(getattr(t, f) for t in times) / n for f in ("total_s", "exposed_s", "wire_s")))

@@ -45,7 +45,7 @@ def header(est: Estimate, model: str, compute_source: str) -> list[str]:
         for m in est.methods
         if m.density is not None and m.extra_counted
     ]
-    ramp = f", then a {cfg.density_ramp_steps}-step {cfg.density_ramp_shape} ramp" if cfg.dense_warmup_steps else ""
+    ramp = f", then a {cfg.density_ramp_steps}-step geometric ramp" if cfg.dense_warmup_steps else ""
     return [
         f"Model: {model}, {est.params:,} parameters. Cluster: {c.nodes} node(s) x {c.procs_per_node} process(es) "
         f"(W = {c.world_size}); {where}.",

@@ -10,7 +10,6 @@ all-gather is waited on). Buckets of the same shape are counted together, so a m
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,8 +141,7 @@ class ScapeTraffic:
         self.clip = clip
         # (padded elements, chunk size, chunks per shard, bytes per value) per group of equal buckets.
         self.shapes = _grouped((b.padded_numel, b.chunk_size, b.chunks_per_shard, b.dtype.itemsize) for b in layout)
-        cfg = config
-        self.local_masks = cfg.mask_statistic == "random" or (not cfg.sharded and cfg.mask_statistic == "momentum")
+        self.local_masks = not config.sharded  # every rank builds every mask from the replicated momentum
 
     @property
     def schedule_steps(self) -> int:
@@ -153,23 +151,12 @@ class ScapeTraffic:
 
     def steps(self, count: int) -> Iterator[StepTraffic]:
         """Steps 1 to ``count``."""
-        cfg = self.config
-        queue: deque[int] = deque()  # per queued mask, the step it was built for (its slots: slots_at)
-        last_built: list[int | None] = [None]
-        if cfg.dense_steps == 0 and cfg.mask_delay > 0:  # the first masks, built at construction (in no step)
-            last_built[0] = 1
-            queue.extend([1] * cfg.mask_delay)
         for t in range(1, count + 1):
-            if t <= cfg.dense_steps:
-                yield self._dense_step(t, queue, last_built)
-            else:
-                yield self._sparse_step(t, queue, last_built)
+            yield self._dense_step(t) if t <= self.config.dense_steps else self._sparse_step(t)
 
     def steady_state(self) -> list[StepTraffic]:
-        """The ``mask_refresh_interval`` steps that repeat once the schedule is over."""
-        cfg = self.config
-        end = self.schedule_steps + cfg.mask_delay + 2 * cfg.mask_refresh_interval + 1
-        return list(self.steps(end))[-cfg.mask_refresh_interval :]
+        """The step that repeats once the schedule is over (a list of one)."""
+        return list(self.steps(self.schedule_steps + self.config.mask_delay + 3))[-1:]
 
     # ------------------------------------------------------------------ one step
 
@@ -192,12 +179,10 @@ class ScapeTraffic:
         slots = self.config.slots_at
         return self._each("all_gather", "indices", lambda p, c, n, b: (n * slots(for_step, c), INDEX_ITEMSIZE))
 
-    def _dense_step(self, t: int, queue: deque[int], last_built: list[int | None]) -> StepTraffic:
+    def _dense_step(self, t: int) -> StepTraffic:
         cfg = self.config
         nxt: tuple[Collective, ...] = ()
         if t == cfg.dense_steps and cfg.mask_delay > 0:  # the end of the warm-up builds the first masks
-            last_built[0] = t + 1
-            queue.extend([t + 1] * cfg.mask_delay)
             nxt = self._indices(t + 1)
         if not cfg.sharded:
             return StepTraffic(backward=self._each("all_reduce", "dense", lambda p, c, n, b: (p, b)), next_forward=nxt)
@@ -216,40 +201,27 @@ class ScapeTraffic:
             params = self._each("all_gather", "dense", lambda p, c, n, b: (n * c, b))
         return StepTraffic(backward=grads, after=self._scalars() + params, next_forward=nxt)
 
-    def _sparse_step(self, t: int, queue: deque[int], last_built: list[int | None]) -> StepTraffic:
+    def _sparse_step(self, t: int) -> StepTraffic:
+        """Step t sends at the mask built for it: in its backward pass (``mask_delay=0``), or at the end of step t - 1
+        (the first one at the end of the warm-up, or at construction without one)."""
         cfg = self.config
-        after: tuple[Collective, ...] = ()
-        if cfg.mask_delay == 0:  # built in the backward pass from this step's gradient, and waited on at once
-            if last_built[0] is None or (t - 1 - cfg.dense_steps) % cfg.mask_refresh_interval == 0:
-                last_built[0] = t
-                after = self._indices(t)
-            built = last_built[0]
-            assert built is not None
-            in_use = built
-        else:
-            in_use = queue[0]
+        # mask_delay=0: built in the backward pass from this step's gradient, and waited on at once.
+        after = self._indices(t) if cfg.mask_delay == 0 else ()
         slots = cfg.slots_at
         if cfg.wire_format == "int8":
-            k = lambda c: slots(in_use, c)  # noqa: E731
+            k = lambda c: slots(t, c)  # noqa: E731
             backward = self._each(
                 "reduce_scatter", "values", lambda p, c, n, b: int8_packets(p // (n * c), n * k(c), k(c))
             )
             gather = self._each("all_gather", "params", lambda p, c, n, b: int8_packets(1, n * k(c), k(c)))
             after += self._scalars() + gather
         elif cfg.sharded:
-            backward = self._each("reduce_scatter", "values", lambda p, c, n, b: (p // c * slots(in_use, c), b))
-            gather = self._each("all_gather", "params", lambda p, c, n, b: (n * slots(in_use, c), b))
+            backward = self._each("reduce_scatter", "values", lambda p, c, n, b: (p // c * slots(t, c), b))
+            gather = self._each("all_gather", "params", lambda p, c, n, b: (n * slots(t, c), b))
             after += self._scalars() + gather
         else:
-            backward = self._each("all_reduce", "values", lambda p, c, n, b: (p // c * slots(in_use, c), b))
+            backward = self._each("all_reduce", "values", lambda p, c, n, b: (p // c * slots(t, c), b))
         nxt: tuple[Collective, ...] = ()
-        if cfg.mask_delay > 0:  # the end of the step builds the mask of step t + mask_delay
-            if (t - cfg.dense_steps) % cfg.mask_refresh_interval == 0 or last_built[0] is None:
-                last_built[0] = t + cfg.mask_delay
-                nxt = self._indices(t + cfg.mask_delay)
-            newest = last_built[0]
-            assert newest is not None
-            while len(queue) < cfg.mask_delay + 1:
-                queue.append(newest)
-            queue.popleft()
+        if cfg.mask_delay > 0:  # the end of the step builds the mask of the next step
+            nxt = self._indices(t + 1)
         return StepTraffic(backward=backward, after=after, next_forward=nxt)

@@ -28,11 +28,11 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_scape.comm import stop_heartbeat
-from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
+from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
-from lightning_scape.wiring.options import process_group_timeout, resolve_config
+from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
 
 
 class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
@@ -60,12 +60,13 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
         auto_wrap_policy: Which modules become FSDP units: a set of block classes, or a predicate on modules;
             default ``{litgpt.model.Block}``.
         process_group_backend: ``"gloo"`` or ``"nccl"``; default: NCCL on CUDA, gloo on the CPU.
-        timeout: Process-group timeout; default ``collective_timeout_s``.
+        timeout: How long any collective may wait (default 30 minutes): see below.
+        resume_with_new_config: Load a checkpoint saved with other SCAPE settings, on purpose: see below.
         config: A whole :class:`~lightning_scape.ScapeConfig`; keyword options below override its fields.
         **options: Any :class:`~lightning_scape.ScapeConfig` field.
     """
 
-    __doc__ = (__doc__ or "") + options_doc()
+    __doc__ = (__doc__ or "") + strategy_options_doc()
     _summary_baseline = "HSDP"  # its engines send each rank's shard across the groups
 
     def __init__(
@@ -74,13 +75,13 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
         auto_wrap_policy: fsdp.WrapPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
+        resume_with_new_config: bool = False,
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
         self.scape_config = resolve_config(config, options)
-        super().__init__(
-            process_group_backend=process_group_backend, timeout=process_group_timeout(timeout, self.scape_config)
-        )
+        self.scape_run = RunSettings.of(timeout, resume_with_new_config)
+        super().__init__(process_group_backend=process_group_backend, timeout=self.scape_run.process_group_timeout)
         self._shard_size = shard_size
         self._wrap_policy = auto_wrap_policy
         self._grid: fsdp.ShardGrid | None = None
@@ -160,9 +161,14 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
                     f"{len(self.optimizers)}. Put all parameters in param groups of one AdamS / AdamW."
                 )
             assert self.model is not None
-            comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_config.collective_timeout_s)
+            comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
             scape, binding = fsdp.build_fsdp_scape_optimizer(
-                self.optimizers[0], self.scape_config, self.model, comm, self.grid
+                self.optimizers[0],
+                self.scape_config,
+                self.model,
+                comm,
+                self.grid,
+                self.scape_run.resume_with_new_config,
             )
         self._bindings.append(binding)
         self.optimizers = [scape]

@@ -293,7 +293,7 @@ class MaskMonitor(_ScapeMonitor):
             if self.per_layer:
                 for key, value in self._churn(engine, positions, kept).items():
                     agg.update(key, value, device=dev)
-        elif previous is masks:  # the same mask reused (mask_refresh_interval > 1)
+        elif previous is masks:  # the same masks: no sparse step since the last report
             agg.update("mask/kept_fraction", 1.0, device=dev)
             agg.update("mask/jaccard", 1.0, device=dev)
         self._previous = masks

@@ -29,7 +29,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from lightning_scape.config import ScapeConfig, ScapeOptions, options_doc
+from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.wiring import (
     checkpoint_protocol,
@@ -43,7 +43,7 @@ from lightning_scape.wiring import (
     warmup_notice,
 )
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
-from lightning_scape.wiring.options import process_group_timeout, resolve_config
+from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
 
 
 class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
@@ -57,18 +57,9 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
     ``torch.optim.Adam`` (the last two are converted to AdamS with the same hyperparameters), with any LR
     scheduler.
 
-    Supported: ``accumulate_grad_batches`` (nothing is sent on accumulating micro-batches), manual
-    optimization with several ``manual_backward`` calls per step (their gradients add up, as under DDP; each
-    sends unless wrapped in ``optimizer.toggle_model(sync_grad=False)``), ``gradient_clip_val`` by norm (the
-    global norm of the synchronised gradient) or by value, precision ``"32-true"``, ``"bf16-mixed"`` and
-    ``"16-mixed"`` (a step with inf/nan gradients is skipped on every rank, momentum and residual untouched),
-    ``torch.compile``, validation and the sanity check, the ``DistributedSampler``, ``LearningRateMonitor``,
-    ``StochasticWeightAveraging``, ``BaseFinetuning`` (param groups added or parameters unfrozen after set-up
-    join the engine), and checkpoints: every rank writes its own SCAPE state beside the checkpoint file
-    (``<file>.scape/<save id>-rank-XXXXX.pt``), so ``trainer.fit(..., ckpt_path=...)`` continues bitwise
-    identically; the checkpoint is restored before set-up, as with DDP. A checkpoint written by another number of
-    processes is re-sharded when it is loaded (``docs/lightning.md``). The checkpoint file itself is an ordinary
-    Lightning checkpoint (the model is replicated), loadable with ``LightningModule.load_from_checkpoint``.
+    Supported, as under DDP: gradient accumulation, manual optimization, clipping, 32-bit and mixed precision,
+    ``torch.compile``, the fine-tuning callbacks, and checkpoints that resume bitwise, on this or another number
+    of processes (every rank writes its SCAPE state beside the checkpoint file): ``docs/lightning.md``.
 
     Rank 0 logs what SCAPE will do at set-up, and what it did at the end of a fit (:meth:`run_summary`).
 
@@ -85,16 +76,15 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
         checkpoint_io: How checkpoint files are written; the per-rank SCAPE files go through it as well.
         precision_plugin: The precision plugin (the Trainer builds it from ``Trainer(precision=...)``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; default: NCCL on CUDA, gloo on the CPU.
-        timeout: Process-group timeout for Lightning's own collectives; default ``collective_timeout_s``. Keep
-            it close to ``collective_timeout_s``: a failed rank's process cannot exit while a gloo/NCCL
-            operation is still waiting for a dead peer.
+        timeout: How long any collective may wait (default 30 minutes): see below.
         start_method: ``"popen"`` (default: re-runs the script for every local rank), ``"spawn"``, ``"fork"``
             or ``"forkserver"`` (for notebooks).
+        resume_with_new_config: Load a checkpoint saved with other SCAPE settings, on purpose: see below.
         config: A whole :class:`~lightning_scape.ScapeConfig`; keyword options below override its fields.
         **options: Any :class:`~lightning_scape.ScapeConfig` field.
     """
 
-    __doc__ = (__doc__ or "") + options_doc()
+    __doc__ = (__doc__ or "") + strategy_options_doc()
 
     def __init__(
         self,
@@ -106,10 +96,12 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        resume_with_new_config: bool = False,
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
         self.scape_config = resolve_config(config, options)
+        self.scape_run = RunSettings.of(timeout, resume_with_new_config)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -117,7 +109,7 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=process_group_timeout(timeout, self.scape_config),
+            timeout=self.scape_run.process_group_timeout,
             start_method=start_method,
         )
         self._failed = False
@@ -184,7 +176,9 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
             )
         assert self.model is not None
         scaler = loss_scaling.grad_scaler_of(self.precision_plugin)
-        scape = engine_setup.build_scape_optimizer(self.optimizers[0], self.scape_config, self.model, scaler)
+        scape = engine_setup.build_scape_optimizer(
+            self.optimizers[0], self.scape_config, self.model, scaler, self.scape_run
+        )
         self.optimizers = [scape]
 
     @override
@@ -345,7 +339,10 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
         if "state_dict" in checkpoint:
             modules["state_dict"] = (module, checkpoint["state_dict"], module.strict_loading)
         return checkpoint_protocol.LoadPlan(
-            stubs={_state_key(i): s for i, s in enumerate(states)}, modules=modules, config=self.scape_config
+            stubs={_state_key(i): s for i, s in enumerate(states)},
+            modules=modules,
+            config=self.scape_config,
+            resume_with_new_config=self.scape_run.resume_with_new_config,
         )
 
     @override

@@ -121,7 +121,8 @@ class LoadPlan:
         name_keys: Whether error messages name the key: Fabric's keys are the user's names, the Trainer's are
             its own.
         config: The configuration the stubs' must match, checked before any rank file is read. Where it differs
-            and its ``resume_with_new_config`` allows it, the state is re-sharded (carried over, masks rebuilt).
+            and ``resume_with_new_config`` allows it, the state is re-sharded (carried over, masks rebuilt).
+        resume_with_new_config: The strategy's setting of that name.
     """
 
     stubs: dict[str, Any] = field(default_factory=dict)
@@ -130,6 +131,7 @@ class LoadPlan:
     required: tuple[str, ...] = ()
     name_keys: bool = False
     config: ScapeConfig | None = None
+    resume_with_new_config: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,7 @@ def _read(
     """One rank's part of :func:`read_checkpoint`: raises on the first problem."""
     checkpoint = load_main_checkpoint(io, path, weights_only)
     expected = plan(checkpoint)
-    saved_world_size = check_stubs(path, expected.stubs, expected.config)
+    saved_world_size = check_stubs(path, expected.stubs, expected.config, expected.resume_with_new_config)
     full: dict[str, dict[str, Any]] | None = {}
     if expected.stubs and saved_world_size == world_size and not _reconfigured(expected):
         full = _read_rank_file(io, path, rank, expected.stubs, weights_only)
@@ -480,14 +482,20 @@ def load_rank_states(
     return _reshard_rank_files(io, path, stubs, engines, weights_only)
 
 
-def check_stubs(path: str | os.PathLike[str], stubs: Mapping[str, Any], config: ScapeConfig | None = None) -> int:
+def check_stubs(
+    path: str | os.PathLike[str],
+    stubs: Mapping[str, Any],
+    config: ScapeConfig | None = None,
+    resume_with_new_config: bool = False,
+) -> int:
     """Raise ``ValueError`` unless ``stubs`` are SCAPE stubs of one save in a format this version reads.
 
     Args:
         path: The main checkpoint file (for the messages).
         stubs: Per key, what the main file holds where a SCAPE optimizer's stub should be.
-        config: When given, the configuration the stubs must have been saved with (``collective_timeout_s`` may
-            differ).
+        config: When given, the configuration the stubs must have been saved with
+            (:func:`~lightning_scape.engine.state.check_config`).
+        resume_with_new_config: Whether the stubs may have been saved with other settings (not the layout's).
 
     Returns:
         The number of ranks that wrote the checkpoint (0 without stubs).
@@ -510,7 +518,7 @@ def check_stubs(path: str | os.PathLike[str], stubs: Mapping[str, Any], config: 
             )
         if config is not None:
             try:
-                check_config(config, meta["config"])
+                check_config(config, meta["config"], resume_with_new_config)
             except ValueError as exc:
                 raise ValueError(f"Checkpoint {where!r}: {exc} Nothing was loaded.") from exc
     if not stubs:

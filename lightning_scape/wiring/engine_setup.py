@@ -17,6 +17,7 @@ from lightning_scape.engine import ScapeEngine
 from lightning_scape.planning import forms
 from lightning_scape.planning.pilot import Decision, FormPilot
 from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
+from lightning_scape.wiring.options import RunSettings
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler
@@ -38,6 +39,7 @@ def build_scape_optimizer(
     config: ScapeConfig,
     module: Module | None,
     scaler: GradScaler | None,
+    run: RunSettings | None = None,
 ) -> ScapeOptimizer:
     """Convert ``optimizer``, build the engine on this process's group, and wrap both.
 
@@ -47,6 +49,7 @@ def build_scape_optimizer(
         module: The model, for the order its gradients arrive in (None: param-group order).
         scaler: The precision plugin's enabled ``GradScaler`` (fp16 mixed precision), if any: the engine
             divides its scale out of the gradients and skips non-finite steps on every rank.
+        run: The strategy's timeout and load setting (default: the strategies' defaults).
 
     Returns:
         The optimizer to hand back to Lightning.
@@ -54,18 +57,20 @@ def build_scape_optimizer(
     if isinstance(optimizer, ScapeOptimizer):
         raise ValueError("This optimizer was already set up by a SCAPE strategy; set up the original once.")
     adams = to_adams(optimizer)
+    run = run or RunSettings.of(None, resume_with_new_config=False)
     order = list(module.parameters()) if module is not None else None
     loss_scale: Callable[[], float] | None = None if scaler is None else scaler.get_scale
     engine = ScapeEngine(
         adams,
         config,
-        make_communicator(config.collective_timeout_s),
+        make_communicator(run.timeout_s),
         param_order=order,
         # The strategies broadcast rank 0's parameters and buffers at module set-up (broadcast_module_states).
         sync_params=False,
         loss_scale=loss_scale,
         skip_nonfinite=scaler is not None,
         form_pilot=logged_pilot(),
+        resume_with_new_config=run.resume_with_new_config,
     )
     rank_zero_info(describe_engine(engine))
     return ScapeOptimizer(adams, engine, source=optimizer)

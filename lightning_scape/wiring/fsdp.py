@@ -333,6 +333,7 @@ def build_fsdp_scape_optimizer(
     module: Module,
     communicator: Communicator,
     grid: ShardGrid | None = None,
+    resume_with_new_config: bool = False,
 ) -> tuple[ScapeOptimizer, ShardBinding]:
     """The user's optimizer as a :class:`ScapeOptimizer` whose engine steps this rank's shard across the groups.
 
@@ -343,6 +344,7 @@ def build_fsdp_scape_optimizer(
         communicator: The replicate group's collectives (:func:`replicate_communicator`).
         grid: The processes' groups; given (the strategies give it), rank 0 logs what SCAPE will do, as
             ``ScapeStrategy`` does (:func:`describe_shard_engine`).
+        resume_with_new_config: Let a state saved with other settings load (the engine's argument).
 
     Returns:
         The optimizer to hand back to Lightning, and the binding (its hooks are removed at teardown).
@@ -354,7 +356,13 @@ def build_fsdp_scape_optimizer(
     shadow = AdamS(binding.order or [nn.Parameter(torch.zeros(1))])
     shadow.param_groups = binding.proxy_groups(adams)
     engine = ScapeEngine(
-        shadow, config, communicator, param_order=binding.order, sync_params=False, form_pilot=logged_pilot()
+        shadow,
+        config,
+        communicator,
+        param_order=binding.order,
+        sync_params=False,
+        form_pilot=logged_pilot(),
+        resume_with_new_config=resume_with_new_config,
     )
     binding.attach(engine)
     if grid is not None:

@@ -64,7 +64,7 @@ def _int8_pair_bytes(per_rank: int, group: int, world_size: int) -> int:
 
 def mask_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size: int, step: int) -> int:
     """The indices of the masks built for sparse step ``step`` (none where every rank builds every mask)."""
-    if config.mask_statistic == "random" or (not config.sharded and config.mask_statistic == "momentum"):
+    if not config.sharded:  # every rank builds every mask from the replicated momentum
         return 0
     return sum(
         all_gather_bytes(b.chunks * config.slots_at(step, b.chunk_size) // world_size, _INDEX_BYTES, world_size)
@@ -75,8 +75,7 @@ def mask_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size: int, 
 def run_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size: int, steps: int) -> tuple[float, int]:
     """(SCAPE's bytes, DDP's bytes) per rank over ``steps`` optimizer steps.
 
-    Masks are built ``mask_delay`` steps ahead (the last ones for steps after the run), one every
-    ``mask_refresh_interval`` steps (counted as a share of each step).
+    A mask is built for every sparse step, ``mask_delay`` steps ahead (the last one for the step after the run).
 
     Args:
         buckets: The engine's bucket layouts (``[bs.layout for bs in engine.buckets]``).
@@ -93,7 +92,7 @@ def run_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size: int, s
         return sparse_step_bytes(buckets, config, world_size, step)
 
     def masks(step: int) -> float:
-        return mask_bytes(buckets, config, world_size, step) / config.mask_refresh_interval
+        return mask_bytes(buckets, config, world_size, step)
 
     scape = dense * dense_step_bytes(buckets, config, world_size) + _sum_steps(dense + 1, steps, ramp_end, sparse)
     scape += _sum_steps(config.dense_steps + 1, steps + config.mask_delay, ramp_end, masks)
