@@ -6,6 +6,7 @@ decision here is the same on any machine.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import pytest
@@ -394,3 +395,29 @@ def test_a_fixed_form_resumes_whether_its_wire_format_is_spelled_out_or_not() ->
     # The former defaults (fp32, d = 0.01) are a fixed form: the new defaults, which choose, are another one.
     with pytest.raises(ValueError, match=r"density.*wire_format"):
         check_config(ScapeConfig(), ScapeConfig(density=0.01, wire_format="full").to_dict())
+
+
+def test_a_switch_between_sparse_forms_continues_the_density_where_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
+    config = CONFIG.replace(density_ramp_steps=10)  # at d = 0.025 the ramp's steps 6-8 are dense, 9-15 sparse
+    links = [Link(1e7, 0.0, 1.0), Link(1e6, 0.0, 1.0)]  # int8 d=0.025 at step 5, then int8 d=0.01 at step 11
+    before, later = (simulate(2, partial(_run, links=links, steps=n, config=config)) for n in (10, 16))
+    assert [c for _, c in later[0]["chosen"]] == ["int8 d=0.025", "int8 d=0.01"]
+    old, new = ScapeConfig(**before[0]["state"]["form"]), ScapeConfig(**later[0]["state"]["form"])
+    # The new ramp starts where its own geometric ramp reaches the old one's density (0.025 ** 0.6 = 0.109 at step
+    # 11: 0.01 ** (5 / 10)), so step 12 sends 0.01 ** 0.6 = 0.063, below the old schedule's 0.076, not dense again.
+    assert old.density == 0.025 and new.density == 0.01 and new.dense_warmup_steps == 6
+    assert new.ramp_density(12) == pytest.approx(0.01**0.6) and new.ramp_density(12) < old.ramp_density(12)
+    for a, b in zip(before, later, strict=True):  # no dense step in steps 11-16, on either rank
+        assert a["state"]["counters"]["total_sent"]["dense"] == b["state"]["counters"]["total_sent"]["dense"]
+    for a, b in zip(later[0]["params"], later[1]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_sparse_form_that_follows_a_denser_schedule_keeps_its_timing() -> None:
+    before = ScapeConfig(wire_format="int8", density=0.01, dense_warmup_steps=30)  # at step 230: 0.01 ** 0.5 = 0.1
+    after = Form("int8", 0.025).config(ScapeConfig().start_form(), 230, sparse_before=before)
+    # 0.025's ramp never reaches 0.1 as late: it takes the former ramp's timing, at its own density.
+    assert after.dense_warmup_steps == 30 and after.ramp_density(231) == pytest.approx(0.025 ** (201 / 400))
+    done = ScapeConfig(wire_format="int8", density=0.01, dense_warmup_steps=30)  # at step 1000 the ramp is over
+    assert Form("int8", 0.025).config(ScapeConfig().start_form(), 1000, sparse_before=done).ramp_density(1001) == 0.025

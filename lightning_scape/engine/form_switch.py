@@ -75,7 +75,8 @@ def switch_form(engine: ScapeEngine, config: ScapeConfig) -> None:
     """Take ``config`` (a fixed form) from the next step on; every rank must call this after the same step.
 
     Masks in flight are waited for and dropped. A form whose next step is sparse builds its first masks now, from
-    the momentum and residual (every coordinate counts as sent now, as at the end of the warm-up).
+    the momentum and residual: after dense steps every coordinate counts as sent now, as at the end of the warm-up;
+    after sparse steps (another sparse form) each keeps the step it was last sent at.
     """
     if config.dense_steps > engine.step_count and not config.sharded and any(b.residual_live for b in engine.buckets):
         raise ValueError(
@@ -88,6 +89,8 @@ def switch_form(engine: ScapeEngine, config: ScapeConfig) -> None:
     use_config(engine, config)
     if engine.step_count == config.dense_steps:  # else the last dense step of its ramp does this
         end_dense_steps(engine, engine.step_count)
+    elif engine.step_count > config.dense_steps:  # sparse steps go on at another density or wire
+        engine.masks.begin(for_step=engine.step_count + 1)
 
 
 def end_dense_steps(engine: ScapeEngine, step: int) -> None:

@@ -72,9 +72,10 @@ class MaskSchedule:
 
     # ---------------------------------------------------------------------------- the schedule
 
-    def begin(self) -> None:
-        """The first masks (end of the dense warm-up, or construction without one)."""
-        self._queue(for_step=self.config.dense_steps + 1)
+    def begin(self, for_step: int | None = None) -> None:
+        """The first masks (end of the dense warm-up, or construction without one), for step ``for_step`` (default:
+        the first sparse step of the schedule)."""
+        self._queue(for_step=self.config.dense_steps + 1 if for_step is None else for_step)
 
     def drop(self) -> None:
         """Wait for every mask's all-gather and drop them all (the engine's form turns dense)."""

@@ -57,7 +57,9 @@ class Form:
             return f'wire_format="{self.wire_format}", dense_warmup_steps=10**9'
         return f'wire_format="{self.wire_format}", density={self.density:g}'
 
-    def config(self, base: ScapeConfig, step: int, dense_since: int | None = None) -> ScapeConfig:
+    def config(
+        self, base: ScapeConfig, step: int, dense_since: int | None = None, sparse_before: ScapeConfig | None = None
+    ) -> ScapeConfig:
         """The engine's configuration for this form from after step ``step`` on: ``base``'s schedule and options,
         every later step dense, or a density ramp that starts after step ``step`` (the first decision: after the
         warm-up, so the ramp is ``base``'s).
@@ -66,16 +68,33 @@ class Form:
         skips its ramp's dense steps where the run has taken at least as many since, and starts where its ramp turns
         sparse: the run has had the dense steps a fixed form's schedule gives before its first sparse step, and its
         momentum is warm. The first decision, right after the warm-up, keeps the whole ramp.
+
+        ``sparse_before``: the sparse form in use until now (None: a dense one). This one's ramp then continues the
+        density where that one's schedule is: it is placed where its own geometric ramp reaches that density
+        (going sparser: 0.025 to 0.01 in the last fifth of a ramp's length), or where it does not reach so far,
+        keeps that form's timing; masks and momentum are warm, so nothing starts again.
         """
         if self.density is None:
             return base.replace(
                 wire_format=self.wire_format, density=AUTO_START_DENSITY, dense_warmup_steps=DENSE_FOREVER
             )
         sparse = base.replace(wire_format=self.wire_format, density=self.density, dense_warmup_steps=step)
+        if sparse_before is not None:
+            return sparse.replace(dense_warmup_steps=_continuing_ramp(sparse, sparse_before, step))
         ramp_began = step - (sparse.dense_steps - step)  # as if the ramp's dense steps were the ones just taken
         if dense_since is not None and ramp_began >= dense_since:
             return sparse.replace(dense_warmup_steps=ramp_began)
         return sparse
+
+
+def _continuing_ramp(sparse: ScapeConfig, before: ScapeConfig, step: int) -> int:
+    """The warm-up length that places ``sparse``'s ramp where its density after step ``step`` is ``before``'s at
+    ``step`` (d ** (s / R) = that density), or, where that would begin before the run did, ``before``'s own."""
+    density, target = before.ramp_density(step), sparse.sparse_density
+    if density >= 1.0 or sparse.density_ramp_steps == 0:
+        return before.dense_warmup_steps
+    ramp_step = sparse.density_ramp_steps * math.log(density) / math.log(target)
+    return max(step - round(ramp_step), before.dense_warmup_steps)
 
 
 FP32_DENSE = Form("full")

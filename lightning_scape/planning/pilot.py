@@ -211,9 +211,11 @@ class FormPilot:
 
     def _switch(self, engine: ScapeEngine, chosen: Form) -> None:
         """Take ``chosen`` from the next step on; after a dense stretch, a sparse form's ramp skips the dense steps
-        the run has just had (:meth:`~lightning_scape.planning.forms.Form.config`)."""
+        the run has just had, and after sparse steps it continues their density
+        (:meth:`~lightning_scape.planning.forms.Form.config`)."""
         base = engine.requested_config
-        switch_form(engine, chosen.config(base.start_form(), engine.step_count, self._dense_since(base)))
+        before = None if self.form.dense else engine.config
+        switch_form(engine, chosen.config(base.start_form(), engine.step_count, self._dense_since(base), before))
         self.form = chosen
         self.switches.append((engine.step_count, chosen))
 
