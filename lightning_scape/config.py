@@ -31,8 +31,16 @@ AUTO_START_DENSITY = 0.025
 DENSE_FOREVER = 10**9
 # The density of a form fixed by wire_format alone.
 FIXED_FORM_DENSITY = 0.01
-# Where SCAPE chooses the form, it measures at least this many dense steps first (a shorter warm-up is lengthened).
+# Where SCAPE chooses the form, it measures at least this many dense steps first (a shorter warm-up is lengthened),
+# and at most FIRST_DECISION_STEP: a longer warm-up goes on after that first decision on the chosen form's wire.
 MIN_MEASURED_STEPS = 5
+FIRST_DECISION_STEP = 10
+
+
+def first_decision_step(dense_warmup_steps: int) -> int:
+    """Where SCAPE chooses the form: the step after which it first decides (the warm-up's end, within [5, 10])."""
+    return max(MIN_MEASURED_STEPS, min(dense_warmup_steps, FIRST_DECISION_STEP))
+
 
 # Options of earlier versions: what each is now, and the value at which a saved state still means the same run (None:
 # any value; it never changed what a run computed).

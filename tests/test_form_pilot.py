@@ -17,12 +17,14 @@ from torch import Tensor
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator, Wire
 from lightning_scape.comm.wire import all_gather_bytes, all_reduce_bytes
+from lightning_scape.engine.layout import Bucket
 from lightning_scape.planning import forms, pilot
 from lightning_scape.planning.forms import FP32_DENSE, INT8_DENSE, Form
 from lightning_scape.planning.network import Cluster, Link
 from lightning_scape.planning.traffic import parameter_groups, scape_layout
 from lightning_scape.pytorch.monitors import form_metrics
 from lightning_scape.wiring import run_summary
+from lightning_scape.wiring.run_traffic import dense_step_bytes
 
 CONFIG = ScapeConfig(chunk_size=64, dense_warmup_steps=4, density_ramp_steps=3)  # SCAPE chooses the form
 SLOW, FAST = Link(1e5, 0.0, 1.0), Link(1e13, 0.0, 1.0)
@@ -242,7 +244,7 @@ def test_a_link_that_speeds_up_during_the_density_ramp_is_seen_at_the_next_check
 
 
 def test_a_sparse_form_chosen_after_dense_steps_skips_the_ramps_dense_steps() -> None:
-    base = ScapeConfig().start_form()  # 30 warm-up steps; at d = 0.025 the 400-step ramp's first 150 are dense
+    base = ScapeConfig()  # 30 warm-up steps; at d = 0.025 the 400-step ramp's first 150 are dense
     fixed = ScapeConfig(wire_format="int8", density=0.025)
     assert fixed.dense_steps == 180
     form = Form("int8", 0.025)
@@ -416,8 +418,28 @@ def test_a_switch_between_sparse_forms_continues_the_density_where_it_is(monkeyp
 
 def test_a_sparse_form_that_follows_a_denser_schedule_keeps_its_timing() -> None:
     before = ScapeConfig(wire_format="int8", density=0.01, dense_warmup_steps=30)  # at step 230: 0.01 ** 0.5 = 0.1
-    after = Form("int8", 0.025).config(ScapeConfig().start_form(), 230, sparse_before=before)
+    after = Form("int8", 0.025).config(ScapeConfig(), 230, sparse_before=before)
     # 0.025's ramp never reaches 0.1 as late: it takes the former ramp's timing, at its own density.
     assert after.dense_warmup_steps == 30 and after.ramp_density(231) == pytest.approx(0.025 ** (201 / 400))
     done = ScapeConfig(wire_format="int8", density=0.01, dense_warmup_steps=30)  # at step 1000 the ramp is over
-    assert Form("int8", 0.025).config(ScapeConfig().start_form(), 1000, sparse_before=done).ramp_density(1001) == 0.025
+    assert Form("int8", 0.025).config(ScapeConfig(), 1000, sparse_before=done).ramp_density(1001) == 0.025
+
+
+def test_it_decides_at_step_10_and_a_longer_warm_up_goes_on_dense_on_the_chosen_wire() -> None:
+    config = CONFIG.replace(dense_warmup_steps=20, density_ramp_steps=10)
+    links = [Link(1e6, 0.0, 1.0)]  # slow: sparse steps on the int8 wire
+    at_10, at_14 = (simulate(2, partial(_run, links=links, steps=n, config=config)) for n in (10, 14))
+    assert at_14[0]["chosen"] == [(10, "int8 d=0.01")]
+    form = ScapeConfig(**at_14[0]["state"]["form"])
+    assert form.wire_format == "int8" and form.dense_warmup_steps == 20  # then the ramp, as a fixed form's
+
+    # Steps 1-10 dense in the parameters' dtype (float64 here) as DDP's all-reduce, 11-14 dense on the int8 wire.
+    def sent(run: list[dict[str, Any]]) -> int:
+        return sum(v for k, v in run[0]["state"]["counters"]["total_sent"].items() if k in ("dense", "params"))
+
+    ((group, numel, padded),) = at_14[0]["state"]["layout"]
+    bucket = Bucket(group, 0, torch.float64, torch.device("cpu"), numel=numel, padded_numel=padded, world_size=2,
+                    chunk_size=config.chunk_size)  # fmt: skip
+    assert sent(at_10) == 10 * all_reduce_bytes(padded, 8, 2)
+    int8_step = dense_step_bytes([bucket], form, 2)
+    assert sent(at_14) - sent(at_10) == 4 * int8_step and int8_step < all_reduce_bytes(padded, 8, 2) / 7

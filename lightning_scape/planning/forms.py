@@ -60,9 +60,10 @@ class Form:
     def config(
         self, base: ScapeConfig, step: int, dense_since: int | None = None, sparse_before: ScapeConfig | None = None
     ) -> ScapeConfig:
-        """The engine's configuration for this form from after step ``step`` on: ``base``'s schedule and options,
-        every later step dense, or a density ramp that starts after step ``step`` (the first decision: after the
-        warm-up, so the ramp is ``base``'s).
+        """The engine's configuration for this form from after step ``step`` on, with the schedule and options of
+        ``base`` (the run's, as requested): every later step dense, or a density ramp that starts after step ``step``,
+        or after ``base``'s warm-up where that ends later (the first decision may come first: the warm-up goes on,
+        dense on this form's wire).
 
         ``dense_since``: every step after this one (and the warm-up) was dense (None: not so). A sparse form then
         skips its ramp's dense steps where the run has taken at least as many since, and starts where its ramp turns
@@ -78,7 +79,10 @@ class Form:
             return base.replace(
                 wire_format=self.wire_format, density=AUTO_START_DENSITY, dense_warmup_steps=DENSE_FOREVER
             )
-        sparse = base.replace(wire_format=self.wire_format, density=self.density, dense_warmup_steps=step)
+        # The first decision may come before the warm-up's end: the warm-up goes on, dense on this form's wire.
+        sparse = base.replace(
+            wire_format=self.wire_format, density=self.density, dense_warmup_steps=max(step, base.dense_warmup_steps)
+        )
         if sparse_before is not None:
             return sparse.replace(dense_warmup_steps=_continuing_ramp(sparse, sparse_before, step))
         ramp_began = step - (sparse.dense_steps - step)  # as if the ramp's dense steps were the ones just taken
@@ -181,7 +185,7 @@ def predict(
     """
     out = []
     for form in forms:
-        cfg = form.config(base.start_form(), base.dense_warmup_steps)  # a sparse form: the ramp after the warm-up
+        cfg = form.config(base, base.dense_warmup_steps)  # a sparse form: the ramp after the warm-up
         if form == FP32_DENSE:
             cfg = cfg.replace(sharded=False)  # the engine takes the chosen fp32 dense steps in DDP's form
         compute = StepCompute.from_total(max(compute_s.get(form, compute_s[start]), 1e-9))

@@ -4,8 +4,9 @@ Where ``ScapeConfig`` leaves ``wire_format`` and ``density`` unset, the engine s
 DDP + AdamS sends) and this pilot, after every step:
 
 1. measures the step's compute: its wall-clock less the time blocked on SCAPE's collectives;
-2. at a decision (the end of the dense warm-up, at least :data:`~lightning_scape.config.MIN_MEASURED_STEPS` steps;
-   then every :data:`RECHECK_STEPS` steps, during a density ramp too), measures the link with timed all-gathers of
+2. at a decision (the end of the dense warm-up or step 10, whichever comes first, and not before step 5:
+   :func:`~lightning_scape.config.first_decision_step`; then every :data:`RECHECK_STEPS` steps, during a density
+   ramp too), measures the link with timed all-gathers of
    two sizes
    (:func:`~lightning_scape.planning.forms.link_from_probe`) and all-reduces both measurements, so that every
    rank holds the same numbers;
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_scape.config import MIN_MEASURED_STEPS, ScapeConfig
+from lightning_scape.config import ScapeConfig, first_decision_step
 from lightning_scape.engine.form_switch import switch_form
 from lightning_scape.planning import forms
 from lightning_scape.planning.forms import FP32_DENSE, Form, Prediction
@@ -151,7 +152,7 @@ class FormPilot:
     def next_decision(self, engine: ScapeEngine) -> int:
         """The step after which the next decision is taken."""
         if self.last_decision_step is None:
-            return max(engine.requested_config.dense_warmup_steps, MIN_MEASURED_STEPS)
+            return first_decision_step(engine.requested_config.dense_warmup_steps)
         return self.last_decision_step + RECHECK_STEPS
 
     def _step_changed(self, engine: ScapeEngine) -> bool:
@@ -215,7 +216,7 @@ class FormPilot:
         (:meth:`~lightning_scape.planning.forms.Form.config`)."""
         base = engine.requested_config
         before = None if self.form.dense else engine.config
-        switch_form(engine, chosen.config(base.start_form(), engine.step_count, self._dense_since(base), before))
+        switch_form(engine, chosen.config(base, engine.step_count, self._dense_since(base), before))
         self.form = chosen
         self.switches.append((engine.step_count, chosen))
 

@@ -12,7 +12,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_scape.comm import abandon_in_flight, make_communicator, stop_heartbeat
-from lightning_scape.config import MIN_MEASURED_STEPS, ScapeConfig
+from lightning_scape.config import ScapeConfig, first_decision_step
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.planning import forms
 from lightning_scape.planning.pilot import Decision, FormPilot
@@ -153,14 +153,19 @@ def describe_engine(engine: ScapeEngine, subject: str | None = None) -> str:
 def _auto_line(engine: ScapeEngine, subject: str | None) -> str:
     """The set-up line where SCAPE chooses the form: what it measures, when it decides, what it chooses from."""
     cfg = engine.requested_config
-    first = max(cfg.dense_warmup_steps, MIN_MEASURED_STEPS)
+    first = first_decision_step(cfg.dense_warmup_steps)
     subject = subject or f"SCAPE on {engine.numel:,} parameters"
     choices = ", ".join(f.name for f in forms.candidates(cfg.sharded))
+    rest = (
+        f"the warm-up's other {cfg.dense_warmup_steps - first} dense steps on its wire, then "
+        if cfg.dense_warmup_steps > first
+        else ""
+    )
     return (
         f"lightning_scape: {subject} in {_count(len(engine.buckets), 'bucket')}: the first {first} steps fp32 dense "
         f"(as DDP + AdamS sends them), measuring the compute and the link; then the form predicted to reach the same "
-        f"loss first, of {choices} (a sparse form after a {cfg.density_ramp_steps}-step density ramp), checked again "
-        "as the run goes on. Each decision is logged; set wire_format= and density= to fix the form"
+        f"loss first, of {choices} (a sparse form: {rest}a {cfg.density_ramp_steps}-step density ramp), checked "
+        "again as the run goes on. Each decision is logged; set wire_format= and density= to fix the form"
     )
 
 
