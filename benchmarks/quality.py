@@ -324,7 +324,7 @@ def planned(table: str | None, args: argparse.Namespace) -> list[Run]:
 
 def sparse_phase_bytes(rec: dict[str, Any]) -> float:
     """Mean bytes of the steps at the final density (after the dense warm-up and the density ramp)."""
-    cfg = ScapeConfig(**rec["scape_config"])
+    cfg = ScapeConfig.from_dict(rec["scape_config"])
     warmup = max(cfg.dense_warmup_steps, MIN_MEASURED_STEPS) if cfg.chooses_form else cfg.dense_warmup_steps
     first = warmup + max(cfg.density_ramp_steps, 1)
     tail = rec["step_bytes"][first:] or rec["step_bytes"]

@@ -624,7 +624,7 @@ def summary(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         final_val = rec["curve"][-1][2]
         tail = max(1, len(rec["train_loss"]) // 10)
         train = statistics.fmean(rec["train_loss"][-tail:])
-        after = ScapeConfig(**rec["config"])
+        after = ScapeConfig.from_dict(rec["config"])
         first = after.dense_warmup_steps + after.density_ramp_steps if method != BASELINE else 0
         late = rec["step_bytes"][first:] or rec["step_bytes"]
         ddp_step = rec["dense_equivalent_per_step"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
@@ -85,10 +85,13 @@ class ScapeConfig:
     """Everything that decides what SCAPE sends and how it updates the parameters.
 
     Left at None (the default), ``wire_format`` and ``density`` are chosen by SCAPE during the run, from the link
-    it measures: after the dense warm-up, and again whenever the link changes enough to change the answer, it
-    takes the form with the shortest predicted time to the same loss, every step dense (fp32 as DDP sends it, or
-    on the int8 wire) or sparse steps on the int8 wire after a density ramp (``docs/self_driving.md``). Set
+    it measures: after its first 10 steps (fp32 dense), and again whenever the link changes enough to change the
+    answer, it takes the form with the shortest predicted time to the same loss, every step dense (fp32 as DDP sends
+    it, or on the int8 wire) or sparse steps on the int8 wire after a density ramp (``docs/self_driving.md``). Set
     either to fix the form.
+
+    The strategies take, beside these, ``timeout`` (how long any collective may wait) and
+    ``resume_with_new_config`` (a load of a checkpoint saved with other settings): ``docs/lightning.md``.
 
     Args:
         density: Fraction d of the coordinates sent per step, in (0, 1]; None (the default) lets SCAPE choose
@@ -113,7 +116,8 @@ class ScapeConfig:
             momentum built there seeds the first mask. At equal bytes, ramp steps buy more quality than
             dense ones (``docs/algorithm.md`` section 7): keep this short and the ramp long. 0 starts sparse
             at once with an all-zero statistic (and no density ramp). With ``wire_format="int8"``, a warm-up as
-            long as the run makes every step dense on purpose (see ``wire_format``).
+            long as the run makes every step dense on purpose (see ``wire_format``). Where SCAPE chooses the form,
+            the warm-up's steps after its first decision are dense on the chosen form's wire.
         density_ramp_steps: Steps after the dense warm-up over which the density falls from 1 to ``density``
             (the ramp is part of the warm-up: with ``dense_warmup_steps=0`` there is none). Ramp steps denser
             than :data:`DENSE_ABOVE` (1/4) are sent dense; the density falls by the same factor every step, so
@@ -155,9 +159,6 @@ class ScapeConfig:
             ``sharded=False`` and where the dense steps must equal DDP + AdamS's bit for bit.
         bucket_cap_mb: Size of a communication bucket in MiB of parameters. Smaller buckets start
             communicating earlier in the backward pass but cost more launches; 25 is DDP's default.
-
-    The strategies take, beside these, ``timeout`` (how long any collective may wait) and
-    ``resume_with_new_config`` (a load of a checkpoint saved with other settings): ``docs/lightning.md``.
     """
 
     density: float | None = None
@@ -281,6 +282,13 @@ class ScapeConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict, for checkpoints and logging."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any]) -> ScapeConfig:
+        """A saved :meth:`to_dict`, of this version or an earlier one: the options this version no longer has
+        (:data:`REMOVED_OPTIONS`) are left out (a checkpoint's are judged when it loads:
+        :func:`~lightning_scape.engine.state.check_config`)."""
+        return cls(**{k: v for k, v in fields.items() if k not in REMOVED_OPTIONS})
 
 
 def _refusing_removed_options(init: Callable[..., None]) -> Callable[..., None]:

@@ -51,6 +51,14 @@ def test_an_option_of_an_earlier_version_says_what_replaces_it(name: str, advice
         ScapeConfig().replace(**{name: 1})
 
 
+def test_a_configuration_saved_by_an_earlier_version_reads_back_without_its_removed_options() -> None:
+    cfg = ScapeConfig(density=0.05, mask_delay=0)
+    old = {**cfg.to_dict(), "density_ramp_shape": "geometric", "mask_statistic": "momentum", "seed": 0}
+    assert ScapeConfig.from_dict(old) == cfg == ScapeConfig.from_dict(cfg.to_dict())
+    with pytest.raises(TypeError, match="unexpected keyword argument 'densty'"):  # a typo is no removed option
+        ScapeConfig.from_dict({**cfg.to_dict(), "densty": 0.1})
+
+
 def test_by_default_scape_chooses_the_form_and_starts_dense_while_it_measures() -> None:
     cfg = ScapeConfig()
     assert cfg.density is None and cfg.wire_format is None and cfg.chooses_form

@@ -471,7 +471,7 @@ def phase_row(p: dict[str, Any]) -> str:
     if p.get("decisions"):  # SCAPE chose its form: the dense steps it measured on before its first decision
         dense = min(end, p["decisions"][0]["step"])
     else:
-        dense = min(end, ScapeConfig(**cfg).dense_steps) if cfg else end
+        dense = min(end, ScapeConfig.from_dict(cfg).dense_steps) if cfg else end
     times = [b - a for a, b in zip([0.0, *cum[: end - 1]], cum[:end], strict=True)]
     cells = [p["label"]]
     for part in (times[:dense], times[dense:]):

@@ -145,7 +145,7 @@ def saved_form(engine: ScapeEngine, state: Mapping[str, Any]) -> ScapeConfig:
     """The form the engine resumes ``state`` in: the one SCAPE had chosen, where it chooses the form in both runs;
     else the engine's own (a fixed form, or the start of a run that now chooses)."""
     if engine.pilot is not None and "pilot" in state:
-        return ScapeConfig(**state["form"])
+        return ScapeConfig.from_dict(state["form"])
     return engine.config
 
 
