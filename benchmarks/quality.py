@@ -127,7 +127,7 @@ SPARSE_LR_SCALE: dict[str, float] = {"sparse_lr1.5": 1.5, "sparse_lr2": 2.0}
 # that several tables share (dense and default at 1000 steps) are trained once: the runs file holds them.
 _STD = (["stdlib"], 1000, [0], "small", 16)
 # The default (30 + 400) is the table's "default" row.
-_SCHEDULES = ["w100_r0", "w100_r100", "w100_r200", "w100_r400", "w100_r200_linear", "w50_r200", "w200_r200",
+_SCHEDULES = ["w100_r0", "w100_r100", "w100_r200", "w100_r400", "w50_r200", "w200_r200",
               "w50_r300"]  # fmt: skip
 TABLES: dict[str, list[tuple[list[str], list[str], int, list[int], str, int]]] = {
     "headline": [([DENSE, "default"], ["stdlib", "prose"], 1000, [0, 1], "small", 16)],
