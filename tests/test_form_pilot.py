@@ -201,11 +201,11 @@ def test_it_goes_sparse_on_a_slow_link_and_dense_again_when_the_link_is_fast(mon
         assert torch.equal(a, b)  # every rank decided alike: the replicas stay identical
     metrics = ranks[0]["metrics"]  # CommunicationMonitor's view of the last decision: dense, at the fast link
     assert metrics["comm/form_density"] == 1.0 and metrics["comm/link_gbps"] == pytest.approx(1e4)
-    # Each decision: 2 timed gathers of each probe size, and one all-reduce of the four measurements (fp64).
+    # Each decision: 2 timed gathers of each probe size, and one all-reduce of the six measurements (fp64).
     one = pilot.PROBE_REPEATS * (
         all_gather_bytes(pilot.PROBE_SMALL_NUMEL, 4, 2) + all_gather_bytes(pilot.PROBE_LARGE_NUMEL, 4, 2)
     )
-    assert ranks[0]["probe_bytes"] == len(chosen) * (one + all_reduce_bytes(4, 8, 2))
+    assert ranks[0]["probe_bytes"] == len(chosen) * (one + all_reduce_bytes(6, 8, 2))
 
 
 def test_turning_dense_after_sparse_steps_sends_the_residual_and_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,6 +309,20 @@ def test_a_step_that_slows_between_checks_brings_the_next_decision_forward(monke
     decisions = simulate(2, lambda rank, comm: _decisions(rank, comm, Watched([FAST, SLOW]), 24))[0]
     chosen = [(d.step, d.chosen.name) for d in decisions]
     assert [step for step, _ in chosen] == [5, 20] and chosen[1][1].startswith("int8 d=")
+
+
+def test_a_link_that_falls_just_after_a_check_is_seen_at_the_next_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 10)
+    monkeypatch.setattr(pilot, "WATCH_STEPS", 5)
+
+    class FallsAfterACheck(GivenLink):
+        def _recent_step(self, engine: ScapeEngine) -> float | None:
+            return 0.1 if engine.step_count <= 16 else 0.3  # the link falls just after the check at step 15
+
+    # Checks after steps 5 and 15 (both on the fast link, the form kept); the watch after step 20 compares with the
+    # steps before the check at 15, so the fall is decided on at 20, not at the next check after step 25.
+    decisions = simulate(2, lambda rank, comm: _decisions(rank, comm, FallsAfterACheck([FAST, FAST, SLOW]), 24))[0]
+    assert [(d.step, d.chosen == d.before) for d in decisions] == [(5, True), (15, True), (20, False)]
 
 
 def _fixed_fp32_dense(rank: int, comm: Communicator, steps: int, forever: bool = False) -> list[Tensor]:

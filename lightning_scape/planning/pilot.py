@@ -62,8 +62,9 @@ PROBE_MAX_OUTPUT = 1 << 25
 # The first steps of a form are left out of its compute: they compile kernels and fill buffers.
 SETTLING_STEPS = 2
 # Between decisions, every WATCH_STEPS steps the ranks all-reduce their median step of the last WATCH_STEPS (16 bytes);
-# one that moved by more than WATCH_CHANGE from the first such median after the last decision (a link that slowed
-# or sped up, another job on the machine) brings the next decision forward to this step.
+# one that moved by more than WATCH_CHANGE from the median of the steps before the last decision (where it kept the
+# form; after a switch, the first watch's) (a link that slowed or sped up, another job on the machine) brings the
+# next decision forward to this step.
 WATCH_STEPS = 20
 WATCH_CHANGE = 1.25
 
@@ -127,7 +128,7 @@ class FormPilot:
         self._samples: list[float] = []  # per step: its compute (wall-clock less the wait on SCAPE's collectives)
         self._step_samples: list[float] = []  # per step: its wall-clock
         self._last: tuple[float, float] | None = None  # (clock, total wait) after the previous step
-        self._watched: float | None = None  # the first watched step after the last decision
+        self._watched: float | None = None  # the watch's reference step (the last decision's, or the first watch)
 
     # ------------------------------------------------------------------ the engine's hook
 
@@ -157,7 +158,8 @@ class FormPilot:
 
     def _step_changed(self, engine: ScapeEngine) -> bool:
         """At a watch (every :data:`WATCH_STEPS` steps between decisions, outside a density ramp): whether the
-        ranks' median step moved by more than :data:`WATCH_CHANGE` since the first watch after the last decision."""
+        ranks' median step moved by more than :data:`WATCH_CHANGE` since the last decision (the steps before it, where
+        it kept the form in use; else the first watch after it)."""
         due = self.last_decision_step is not None and engine.step_count % WATCH_STEPS == 0
         if not due or self.in_ramp(engine) or engine.step_count - (self.last_decision_step or 0) < WATCH_STEPS:
             return False
@@ -183,7 +185,7 @@ class FormPilot:
 
     def decide(self, engine: ScapeEngine) -> Decision:
         """Measure the link, predict every form, and switch the engine if one is clearly faster."""
-        compute, step, link = self._measure(engine)
+        compute, step, recent, link = self._measure(engine)
         if compute is not None:
             self.compute_s[self.form] = compute
             self.compute_s.setdefault(FP32_DENSE, compute)
@@ -203,7 +205,9 @@ class FormPilot:
         decision = Decision(engine.step_count, link, compute, tuple(predictions), self.form, chosen)
         self.decisions.append(decision)
         self.last_decision_step = engine.step_count
-        self._watched = None
+        # The watch's reference, where the form is kept: the steps before this decision, so that a link that changes
+        # just after it is seen at the first watch, not taken for the reference.
+        self._watched = recent if chosen == self.form else None
         if chosen != self.form:
             self._switch(engine, chosen)
         engine.ddp_dense = self.form == FP32_DENSE
@@ -228,19 +232,27 @@ class FormPilot:
 
     # ------------------------------------------------------------------ measurements
 
-    def _measure(self, engine: ScapeEngine) -> tuple[float | None, float | None, Link]:
+    def _measure(self, engine: ScapeEngine) -> tuple[float | None, float | None, float | None, Link]:
         """This form's compute and step (None: no step of it measured since the last decision; alike on every
-        rank) and the link, each the mean over the ranks (so every rank decides alike)."""
+        rank), the median of its last :data:`WATCH_STEPS` steps (the watch's reference if the form is kept) and the
+        link, each the mean over the ranks (so every rank decides alike)."""
         measured = bool(self._samples)
         compute = self._compute(self._samples) if measured else 0.0
         step = self._step_time(self._step_samples) if measured else None
+        recent = self._recent_step(engine)
         self._samples, self._step_samples = [], []  # the next decision measures the steps after this one
         small, large_numel, large = self._probe_times(engine)
-        compute, step_s, small, large = _mean_over_ranks(
-            engine, [compute, math.nan if step is None else step, small, large]
+        compute, step_s, recent_sum, recent_ranks, small, large = _mean_over_ranks(
+            engine, [compute, math.nan if step is None else step, recent or 0.0, 1.0 if recent else 0.0, small, large]
         )
         link = forms.link_from_probe(PROBE_SMALL_NUMEL, small, large_numel, large, engine.world_size)
-        return (compute if measured else None), (None if math.isnan(step_s) else step_s), link
+        step_or_none = None if math.isnan(step_s) else step_s
+        return (
+            (compute if measured else None),
+            step_or_none,
+            (recent_sum / recent_ranks if recent_ranks else None),
+            link,
+        )
 
     def _step_time(self, samples: list[float]) -> float | None:
         """One step's wall-clock in the form in use (the median, its first steps left out); None: predict it."""
