@@ -196,22 +196,15 @@ class MaskSchedule:
     # ---------------------------------------------------------------------------- building
 
     def _queue(self, for_step: int) -> None:
-        """Build a new mask and queue it, so that ``mask_delay`` masks wait beyond the one in use.
-
-        A new mask has the slots per chunk of ``for_step``, the first step that uses it.
-        """
-        delay = self.config.mask_delay
-        if delay == 0:
+        """Build each bucket's mask for step ``for_step`` (its slots per chunk) and queue it behind the one in use
+        (``mask_delay=1``; with 0 the backward pass builds it)."""
+        if self.config.mask_delay == 0:
             return
         for i, bs in enumerate(self.buckets):
-            queue = self.queues[i]
-            # Inside a step the queue still holds the mask in use, dropped when the step finishes.
-            target = delay + (1 if queue else 0)
             self._build(i, bs.shard_of_region(bs.momentum), bs.residual[bs.shard], for_step)
-            while len(queue) < target:
-                built = self.last_built[i]
-                assert built is not None
-                queue.append(built)
+            built = self.last_built[i]
+            assert built is not None
+            self.queues[i].append(built)
 
     def _build_from_current_gradient(self, i: int, step: int) -> None:
         """``mask_delay=0``: score ``e + g`` of this step."""

@@ -155,8 +155,8 @@ class ScapeTraffic:
             yield self._dense_step(t) if t <= self.config.dense_steps else self._sparse_step(t)
 
     def steady_state(self) -> list[StepTraffic]:
-        """The step that repeats once the schedule is over (a list of one)."""
-        return list(self.steps(self.schedule_steps + self.config.mask_delay + 3))[-1:]
+        """The step that repeats once the schedule is over (a list of one): every sparse step after it is alike."""
+        return [self._sparse_step(self.schedule_steps + 2)]
 
     # ------------------------------------------------------------------ one step
 
