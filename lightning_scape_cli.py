@@ -66,9 +66,14 @@ def demo_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per process per step (default: %(default)s)")
     ap.add_argument("--block-size", type=int, default=128, help="tokens per sequence (default: %(default)s)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, cosine schedule (default: %(default)s)")
-    ap.add_argument("--warmup", type=int, default=30, help="SCAPE's dense warm-up steps (default: %(default)s)")
     ap.add_argument(
-        "--ramp", type=int, default=60, help="SCAPE's density ramp after the warm-up, in steps (default: %(default)s)"
+        "--dense-warmup-steps", type=int, default=30, help="SCAPE's dense warm-up steps (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--density-ramp-steps",
+        type=int,
+        default=60,
+        help="SCAPE's density ramp after the warm-up, in steps (default: %(default)s)",
     )
     ap.add_argument("--density", type=float, default=0.01, help="SCAPE's density (default: %(default)s)")
     ap.add_argument(

@@ -39,7 +39,9 @@ def simulate(world_size: int, worker: Callable[[int, Communicator], T], timeout_
         The workers' return values, by rank.
 
     Raises:
-        The first exception any rank raised (the other ranks are aborted, never left hanging).
+        ValueError: ``world_size`` is below 1.
+        BaseException: The first exception any rank raised, re-raised (the other ranks are aborted, never left
+            hanging).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")

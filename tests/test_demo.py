@@ -24,7 +24,8 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
     monkeypatch.setenv("LIGHTNING_SCAPE_CACHE", str(tmp_path / "cache"))  # TextFolder's token cache
     corpus, out = tmp_path / "corpus", tmp_path / "out"
     write_corpus(corpus, 30, words=400)
-    argv = ["--steps", str(STEPS), "--warmup", "2", "--ramp", "0", "--batch-size", "2", "--block-size", "64"]
+    argv = ["--steps", str(STEPS), "--dense-warmup-steps", "2", "--density-ramp-steps", "0"]
+    argv += ["--batch-size", "2", "--block-size", "64"]
     argv += ["--eval-every", str(EVAL_EVERY), "--data", str(corpus), "--out", str(out)]
     dense, scape = demo_command(argv)
     captured = capfd.readouterr()  # capfd: the spawned processes' log lines too
@@ -167,6 +168,6 @@ def test_help_answers_without_importing_torch() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "--warmup" in proc.stdout and "exit 0" in proc.stdout and "exit 2" in proc.stdout
+    assert "--dense-warmup-steps" in proc.stdout and "exit 0" in proc.stdout and "exit 2" in proc.stdout
     assert "invalid int value: 'many'" in proc.stderr
     assert proc.stdout.rstrip().endswith("torch imported: False"), proc.stdout

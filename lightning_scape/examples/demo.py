@@ -71,8 +71,8 @@ class DemoArgs:
     batch_size: int
     block_size: int
     lr: float
-    warmup: int
-    ramp: int
+    dense_warmup_steps: int
+    density_ramp_steps: int
     density: float
     eval_every: int
     eval_batches: int = 8
@@ -90,7 +90,7 @@ def method_description(args: DemoArgs, method: str) -> str:
     """The line printed before a run starts: what the method sends."""
     if method == "dense":
         return "one fp32 all-reduce of every gradient per step, what DDP sends; AdamS on every rank"
-    schedule = f"after {args.warmup} dense warm-up steps and a {args.ramp}-step density ramp"
+    schedule = f"after {args.dense_warmup_steps} dense warm-up steps and a {args.density_ramp_steps}-step density ramp"
     return f"{schedule}, {args.density * 100:.3g}% of the values"
 
 
@@ -199,7 +199,7 @@ def _result(
 ) -> dict[str, Any]:
     """The table's numbers and the curves of one run (rank 0's bytes, the ranks' mean loss)."""
     step_bytes = curves["bytes_sent"]
-    settled = args.warmup + args.ramp  # the steps before SCAPE sends at its density
+    settled = args.dense_warmup_steps + args.density_ramp_steps  # the steps before SCAPE sends at its density
     sparse = [b for i, b in enumerate(step_bytes) if method == "dense" or i >= settled]
     steps = args.steps
     return {
@@ -243,7 +243,7 @@ def method_config(args: DemoArgs, method: str) -> ScapeConfig:
     Args:
         args: The settings both runs share.
         method: ``"dense"``: one all-reduce of every gradient, every step (what DDP sends), as a dense warm-up
-            longer than the run; ``"scape"``: SCAPE at ``args.density`` after ``args.warmup`` dense steps.
+            longer than the run; ``"scape"``: SCAPE at ``args.density`` after ``args.dense_warmup_steps`` dense steps.
 
     Returns:
         The configuration.
@@ -259,8 +259,8 @@ def method_config(args: DemoArgs, method: str) -> ScapeConfig:
         )
     return ScapeConfig(
         density=args.density,
-        dense_warmup_steps=args.warmup,
-        density_ramp_steps=args.ramp,
+        dense_warmup_steps=args.dense_warmup_steps,
+        density_ramp_steps=args.density_ramp_steps,
     )
 
 
@@ -473,8 +473,8 @@ class DemoOptions:
     batch_size: int
     block_size: int
     lr: float
-    warmup: int
-    ramp: int
+    dense_warmup_steps: int
+    density_ramp_steps: int
     density: float
     data: Path | None  # None: the Python standard library's sources
     tokenizer: TokenizerKind
@@ -486,7 +486,14 @@ class DemoOptions:
     def run_args(self) -> DemoArgs:
         """The settings both runs share."""
         return DemoArgs(
-            self.steps, self.batch_size, self.block_size, self.lr, self.warmup, self.ramp, self.density, self.eval_every
+            self.steps,
+            self.batch_size,
+            self.block_size,
+            self.lr,
+            self.dense_warmup_steps,
+            self.density_ramp_steps,
+            self.density,
+            self.eval_every,
         )
 
 
@@ -566,7 +573,7 @@ def run_demo(options: DemoOptions) -> list[dict[str, Any]]:
             what = method_description(args, method)
             print(f"{method_label(method, args.density)} ({what}): {WORLD_SIZE} processes, gloo, CPU", flush=True)
             results.append(run_method(args, method, tokens_file, vocab_size))
-    print_table(results, args.warmup + args.ramp)
+    print_table(results, args.dense_warmup_steps + args.density_ramp_steps)
     csv_path, png_path = options.out / "demo.csv", options.out / "demo.png"
     write_csv(results, csv_path)
     print(f"\nper-step curves: {csv_path}")
