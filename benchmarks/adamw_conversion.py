@@ -23,10 +23,11 @@ optimizer moves further, and when.
 
 ``--part scape`` trains each workload on W = 2 simulated ranks (``lightning_scape.simulate``: the exact algorithm,
 in threads; each rank takes half the batch), from the same weights on the same batches: DDP + AdamW (the averaged
-gradient, ``torch.optim.AdamW``), dense AdamS of the converted optimizer (every step dense), and SCAPE at its
-defaults with the converted optimizer, at learning rate 1e-3 with both betas, no warm-up, 600 steps (past the
-default schedule's 30 dense and 400 ramp steps), the learning rate constant (as the examples have it) or on a
-cosine to zero.
+gradient, ``torch.optim.AdamW``), dense AdamS of the converted optimizer (every step dense: what the defaults run
+on a fast link), and SCAPE at its defaults with the converted optimizer on a slow link (``scape_slow_link``: the
+form pilot reads a 100 Mbit/s link, as ``benchmarks/quality.py``'s ``auto_100mbit`` does, and chooses sparse
+steps), at learning rate 1e-3 with both betas, no warm-up, 600 steps (past the sparse form's dense warm-up and
+ramp), the learning rate constant (as the examples have it) or on a cosine to zero.
 
 Every run appends a record to ``OUT/runs.jsonl`` and a command skips the runs already there. The report
 (``OUT/conversion.md``, ``OUT/curves.csv``, ``OUT/<part>_<workload>.png``) gives the final held-out loss (and
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from benchmarks.quality import GIVEN_LINKS, GivenLinkPilot
 from benchmarks.user_models import WORKLOADS, Workload
 from lightning_scape import ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
@@ -59,13 +61,14 @@ WORLD_SIZE = 2
 LRS = (1e-4, 3e-4, 1e-3, 3e-3)
 BETA2S = (0.999, 0.95)
 OPTIMIZERS = ("adamw", "adams", "adams_previous")
-SCAPE_METHODS = ("ddp_adamw", "ddp_adams", "scape")
+SCAPE_METHODS = ("ddp_adamw", "ddp_adams", "scape_slow_link")
 # The optimizer grid's length per workload; the transformer is not in the grid (its steps are the dearest).
 GRID_STEPS = {"cnn": 300, "mlp": 300, "gpt": 300}
 SCAPE_STEPS = 600
 SCHEDULES = ("constant", "cosine")
 SCAPE_LR = 1e-3
-DENSE_EVERY_STEP = {"sharded": False, "dense_warmup_steps": 10**9}
+# A fixed form (a density given), so that no form pilot runs: every step dense, replicated (DDP's all-reduce).
+DENSE_EVERY_STEP = {"sharded": False, "density": 0.01, "wire_format": "full", "dense_warmup_steps": 10**9}
 WEIGHT_DECAY = 0.01  # torch's AdamW default, which the conversion keeps
 STEP_PART_STEPS = 100
 
@@ -208,13 +211,16 @@ def train_rank(rank: int, comm: Communicator, run: Run) -> dict[str, Any]:
     with _INIT_LOCK:
         model = work.build(run.seed)
     params = list(model.parameters())
-    engine = None
+    engine, pilot = None, None
     if run.method == "ddp_adamw":
         opt = make_optimizer("adamw", model, run.lr, run.b2)
+    elif run.method == "ddp_adams":
+        opt = make_optimizer("adams", model, run.lr, run.b2)
+        engine = ScapeEngine(opt, ScapeConfig(**DENSE_EVERY_STEP), comm, params)  # type: ignore[arg-type]
     else:
         opt = make_optimizer("adams", model, run.lr, run.b2)
-        config = ScapeConfig(**DENSE_EVERY_STEP) if run.method == "ddp_adams" else ScapeConfig()
-        engine = ScapeEngine(opt, config, comm, params)  # type: ignore[arg-type]
+        pilot = GivenLinkPilot(GIVEN_LINKS["auto_100mbit"])
+        engine = ScapeEngine(opt, ScapeConfig(), comm, params, form_pilot=pilot)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(1000 + 7 * rank + run.seed)
     curve, losses = [], []
     for step in range(run.steps):
@@ -239,7 +245,8 @@ def train_rank(rank: int, comm: Communicator, run: Run) -> dict[str, Any]:
         curve.append({"step": run.steps, **evaluate(work, model), "bytes": sent})
     if engine is not None:
         engine.close()
-    return {"curve": curve, "train_loss": losses}
+    decisions = [] if pilot is None else [(d.step, d.chosen.name) for d in pilot.decisions]
+    return {"curve": curve, "train_loss": losses, "decisions": decisions}
 
 
 def ddp_bytes(params: list[Tensor], steps: int) -> int:
@@ -316,9 +323,9 @@ def scape_table(done: dict[str, dict[str, Any]], workloads: list[str]) -> list[s
         "",
         f"### Under SCAPE: W = {WORLD_SIZE} simulated, lr {SCAPE_LR:g}, no warm-up, {SCAPE_STEPS} steps",
         "",
-        "| workload | schedule | betas | seed | DDP + AdamW | dense AdamS (converted) | SCAPE defaults (converted) "
-        "| SCAPE / DDP + AdamW | SCAPE's bytes / DDP's |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | schedule | betas | seed | DDP + AdamW | dense AdamS (converted) | SCAPE, slow link (converted) "
+        "| dense AdamS / DDP + AdamW | SCAPE / DDP + AdamW | SCAPE's form | SCAPE's bytes / DDP's |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     seeds = sorted({r["seed"] for r in done.values()})
     for name, schedule, b2, seed in itertools.product(workloads, SCHEDULES, BETA2S, seeds):
@@ -327,10 +334,11 @@ def scape_table(done: dict[str, dict[str, Any]], workloads: list[str]) -> list[s
         if not all(recs):
             continue
         ddp, dense, scape = recs
-        ratio = scape["curve"][-1]["loss"] / ddp["curve"][-1]["loss"]
+        dense_ratio, ratio = (r["curve"][-1]["loss"] / ddp["curve"][-1]["loss"] for r in (dense, scape))
         sent = scape["curve"][-1]["bytes"] / ddp["curve"][-1]["bytes"]
+        form = ", ".join(f"{chosen} @{step}" for step, chosen in scape.get("decisions", []))
         lines.append(f"| {name} | {schedule} | (0.9, {b2}) | {seed} | {final(ddp)} | {final(dense)} | {final(scape)} "
-                     f"| {ratio:.3f} | {sent:.3f} |")  # fmt: skip
+                     f"| {dense_ratio:.3f} | {ratio:.3f} | {form} | {sent:.3f} |")  # fmt: skip
     return lines
 
 
