@@ -101,8 +101,17 @@ def sparse_adams(
     fn(param, momentum, last_sent, gbar, mask, chunk_size, out, hyper)
 
 
+# The largest b2 the interval bound is computed with. B's second term, the whole gradient against a momentum near
+# zero, grows as 1 / sqrt(1 - b2) (3.29 at b2 = 0.999), but dense AdamS takes such a step once: it builds the
+# momentum that bounds the next ones, so over an interval its steps average about lr. With b2 above this, a
+# coordinate whose momentum was small could move 3.2x as far as dense AdamS in one interval update
+# (docs/algorithm.md section 4).
+INTERVAL_BOUND_MAX_BETA2 = 0.95
+
+
 def interval_bound_per_step(h: AdamSHyper) -> float:
-    """B: the most dense AdamS moves a coordinate in one step, in units of the learning rate.
+    """B: the most dense AdamS moves a coordinate in one step, in units of the learning rate, with b2 at most
+    :data:`INTERVAL_BOUND_MAX_BETA2`.
 
     Its update is ``(a m / c' + e g) / sqrt(b2_t (m / c')^2 + (1 - b2_t) g^2)`` with ``a = b1 c' / c`` and
     ``e = (1 - b1) / c``; Cauchy-Schwarz gives ``B = sqrt(a^2 / b2_t + e^2 / (1 - b2_t))``: 1.026 with the betas
@@ -115,6 +124,7 @@ def interval_bound_per_step(h: AdamSHyper) -> float:
     e = (1.0 - b1) / c
     if h.age <= 1 or b1 == 0.0:  # no previous momentum to move along
         return abs(e) / (1.0 - b2) ** 0.5
+    b2 = min(b2, INTERVAL_BOUND_MAX_BETA2)
     if b2 == 0.0:  # nu = g^2: a gradient near zero leaves the momentum's step unbounded
         return math.inf
     a = b1 * h.prev_c / c

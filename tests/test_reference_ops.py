@@ -141,3 +141,27 @@ def test_the_interval_update_integrates_adams_over_the_interval_by_hand() -> Non
         assert m[1].item() == pytest.approx(b1**tau * m_prev + (1 - b1**tau) * mean, rel=1e-12)
         assert last.tolist() == [99, 100, 99, 99]
     assert 2 * bound < disp < tau * bound  # the bound of tau steps is not reached, the cap of 2 steps is
+
+
+@pytest.mark.parametrize("b2", [0.95, 0.999])
+def test_an_interval_moves_no_farther_than_dense_adams_over_it(b2: float) -> None:
+    """A coordinate with no momentum yet (a gradient that appears after a long quiet spell) receives the same
+    gradient every step of a tau-step interval. Dense AdamS's first step moves it by (1 - b1) / sqrt(1 - b2) lr
+    (3.16 lr at b2 = 0.999), and the momentum it builds brings the next steps back to about lr; the interval update
+    must not move it farther than those tau dense steps summed (with b2 = 0.999 its bound once allowed 3.2x)."""
+    b1, lr, t, tau, g = 0.9, 1e-3, 1000, 8, 0.5
+    dense_p = torch.zeros(1, dtype=torch.float64)
+    dense_m = torch.zeros(1, dtype=torch.float64)
+    for s in range(t - tau + 1, t + 1):
+        hyper = AdamSHyper(step=s, lr=lr, beta1=b1, beta2=b2, eps=0.0, weight_decay=0.0)
+        dense_adams_ref(dense_p, dense_m, torch.tensor([g], dtype=torch.float64), hyper)
+    dense_moved = -dense_p.item() / lr
+    param = torch.zeros(2, dtype=torch.float64)
+    m = torch.zeros(2, dtype=torch.float64)
+    last = torch.tensor([t - 1, t - tau], dtype=torch.int32)
+    out = torch.empty(1, dtype=torch.float64)
+    hyper = AdamSHyper(step=t, lr=lr, beta1=b1, beta2=b2, eps=0.0, weight_decay=0.0, catch_up_cap=32.0)
+    sent = torch.tensor([g * tau], dtype=torch.float64)  # the interval's accumulated gradient, coordinate 1
+    sparse_adams_ref(param, m, last, sent, torch.tensor([[1]], dtype=torch.int16), 2, out, hyper)
+    moved = -out.item() / lr
+    assert 0.5 * dense_moved < moved <= dense_moved
