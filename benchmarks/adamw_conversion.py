@@ -336,10 +336,16 @@ def scape_table(done: dict[str, dict[str, Any]], workloads: list[str]) -> list[s
         ddp, dense, scape = recs
         dense_ratio, ratio = (r["curve"][-1]["loss"] / ddp["curve"][-1]["loss"] for r in (dense, scape))
         sent = scape["curve"][-1]["bytes"] / ddp["curve"][-1]["bytes"]
-        form = ", ".join(f"{chosen} @{step}" for step, chosen in scape.get("decisions", []))
+        form = _switches(scape.get("decisions", []))
         lines.append(f"| {name} | {schedule} | (0.9, {b2}) | {seed} | {final(ddp)} | {final(dense)} | {final(scape)} "
                      f"| {dense_ratio:.3f} | {ratio:.3f} | {form} | {sent:.3f} |")  # fmt: skip
     return lines
+
+
+def _switches(decisions: list[tuple[int, str]]) -> str:
+    """The form chosen at the first decision and each change after it ("int8 d=0.025 @10")."""
+    changes = [(step, form) for i, (step, form) in enumerate(decisions) if i == 0 or form != decisions[i - 1][1]]
+    return ", ".join(f"{form} @{step}" for step, form in changes)
 
 
 STEP_COLUMNS = ((1, 1), (2, 2), (3, 3), (4, 10), (11, 30), (31, 100))
@@ -398,8 +404,16 @@ def plot(out: str, done: dict[str, dict[str, Any]]) -> None:
     plot_update_sizes(out, done, Figure)
     for part, methods in (("optimizer", OPTIMIZERS), ("scape", SCAPE_METHODS)):
         for name in WORKLOADS:
-            recs = [r for r in done.values() if r["part"] == part and r["workload"] == name and r["lr"] == 1e-3
-                    and r["warmup"] == 0 and r.get("seed", 0) == 0]  # fmt: skip
+            recs = [
+                r
+                for r in done.values()
+                if r["part"] == part
+                and r["workload"] == name
+                and r["lr"] == 1e-3
+                and r["warmup"] == 0
+                and r.get("seed", 0) == 0
+                and r["method"] in methods
+            ]  # fmt: skip (records of methods since retired are left out)
             if not recs:
                 continue
             fig = Figure(figsize=(12, 4.2), layout="constrained")
