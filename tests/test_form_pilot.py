@@ -457,3 +457,12 @@ def test_it_decides_at_step_10_and_a_longer_warm_up_goes_on_dense_on_the_chosen_
     assert sent(at_10) == 10 * all_reduce_bytes(padded, 8, 2)
     int8_step = dense_step_bytes([bucket], form, 2)
     assert sent(at_14) - sent(at_10) == 4 * int8_step and int8_step < all_reduce_bytes(padded, 8, 2) / 7
+
+
+def test_the_form_in_use_is_judged_by_its_last_steps() -> None:
+    # A link that fell 20 steps before a check: the dense form in use is judged by the steps it slowed (300 ms), not
+    # by the median of the 200 since the last check (100 ms), which would keep a form the link no longer carries.
+    steps = [0.1] * (pilot.RECHECK_STEPS - pilot.WATCH_STEPS) + [0.3] * pilot.WATCH_STEPS
+    assert pilot.FormPilot()._step_time(steps) == 0.3
+    # The first decision's few steps: all but the settling ones.
+    assert pilot.FormPilot()._step_time([5.0, 4.0, 0.1, 0.2, 0.3]) == 0.2

@@ -255,8 +255,10 @@ class FormPilot:
         )
 
     def _step_time(self, samples: list[float]) -> float | None:
-        """One step's wall-clock in the form in use (the median, its first steps left out); None: predict it."""
-        return self._compute(samples)
+        """One step's wall-clock in the form in use: the median of its last :data:`WATCH_STEPS` steps, its first
+        steps left out (a link that fell since the last decision is judged by the steps it slowed, not by a median
+        of the 200 that came before); None: predict it."""
+        return statistics.median(samples[SETTLING_STEPS:][-WATCH_STEPS:] or samples)
 
     def _compute(self, samples: list[float]) -> float:
         """One step's compute from the form's steps so far: the median, its first steps left out."""
