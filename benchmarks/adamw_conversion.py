@@ -412,8 +412,8 @@ def plot(out: str, done: dict[str, dict[str, Any]]) -> None:
                 and r["lr"] == 1e-3
                 and r["warmup"] == 0
                 and r.get("seed", 0) == 0
-                and r["method"] in methods
-            ]  # fmt: skip (records of methods since retired are left out)
+                and r["method"] in methods  # records of a method since retired are left out
+            ]
             if not recs:
                 continue
             fig = Figure(figsize=(12, 4.2), layout="constrained")

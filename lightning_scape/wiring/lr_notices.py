@@ -79,7 +79,6 @@ class ConvertedLrNotices:
             f"shrink: at a constant rate a small CNN and an MLP ended up to 31% above {name}'s loss after 600 steps "
             f"(as did AdamS with every step sent: up to 34%), while with a decaying rate every model measured ended "
             f"within 5% of it or below (docs/benchmarks.md, 'AdamW converted to AdamS'). Decay the learning rate "
-            f"towards the end of training (e.g. "
-            f"torch.optim.lr_scheduler.CosineAnnealingLR), or lower it; a scheduler that lowers it later (once an "
-            f"epoch, say) already does."
+            f"towards the end of training (e.g. torch.optim.lr_scheduler.CosineAnnealingLR), or lower it; a scheduler "
+            f"that lowers it later (once an epoch, say) already does."
         )
