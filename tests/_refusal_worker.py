@@ -44,6 +44,18 @@ class Net(pl.LightningModule):
         return self.optimizer(self.parameters(), lr=0.01)
 
 
+class TwoOptimizers(Net):
+    """Two optimizers (manual optimization, as Lightning requires for several)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:  # type: ignore[override]
+        first, *rest = self.parameters()
+        return [torch.optim.AdamW([first]), torch.optim.Adam(rest)]
+
+
 def loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
     return DataLoader(TensorDataset(torch.randn(16, 24, generator=g), torch.randn(16, 8, generator=g)), batch_size=4)
@@ -64,7 +76,8 @@ def error_of(fn: Any) -> str | None:
 
 
 def precision(outdir: str) -> None:
-    """bf16-true and 16-true under both strategies, and the one-process warning of a run that trains."""
+    """bf16-true and 16-true under both strategies, two optimizers under both, and the one-process warning of a run
+    that trains."""
     out: dict[str, Any] = {}
     for p in ("bf16-true", "16-true"):
         out[f"trainer {p}"] = error_of(lambda p=p: trainer(ScapeStrategy(**SCAPE), precision=p).fit(Net(), loader()))
@@ -76,6 +89,16 @@ def precision(outdir: str) -> None:
             fabric.setup(model, torch.optim.AdamW(model.parameters()))
 
         out[f"fabric {p}"] = error_of(fabric_setup)
+    out["trainer two optimizers"] = error_of(lambda: trainer(ScapeStrategy(**SCAPE)).fit(TwoOptimizers(), loader()))
+
+    def fabric_two() -> None:
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricScapeStrategy(**SCAPE))
+        fabric.launch()
+        model = make_net()
+        first, *rest = model.parameters()
+        fabric.setup(model, torch.optim.AdamW([first]), torch.optim.Adam(rest))
+
+    out["fabric two optimizers"] = error_of(fabric_two)
     # Runs whose 2 steps are all inside a 5-step warm-up: with one process nothing is sent, dense or not, so only
     # the OneProcessWarning speaks (the Trainer's notice before the fit, Fabric's before the run and at its end).
     all_dense = {**SCAPE, "dense_warmup_steps": 5}

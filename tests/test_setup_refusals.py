@@ -1,8 +1,8 @@
 """Risky set-ups refused or named, and a failure on two ranks reported once (``_refusal_worker.py`` runs them).
 
-``bf16-true`` / ``16-true`` refused by both strategies; one process warned that it communicates nothing; a
-SCAPE checkpoint's optimizer entry refused by a torch optimizer (``strategy="ddp"``) instead of loading as empty
-moments; an unsupported optimizer (both strategies) and a missing ``.scape`` folder on two processes: one
+``bf16-true`` / ``16-true`` and two optimizers refused by both strategies; one process warned that it communicates
+nothing; a SCAPE checkpoint's optimizer entry refused by a torch optimizer (``strategy="ddp"``) instead of loading
+as empty moments; an unsupported optimizer (both strategies) and a missing ``.scape`` folder on two processes: one
 traceback, rank 0's.
 """
 
@@ -40,13 +40,17 @@ def saved(case: str, outdir: Path) -> dict[str, Any]:
     return result
 
 
-def test_low_precision_weights_are_refused_by_both_strategies_and_one_process_is_named(tmp_path: Path) -> None:
+def test_16_bit_weights_and_two_optimizers_are_refused_by_both_strategies_and_one_process_named(tmp_path: Path) -> None:
     out = saved("precision", tmp_path)
     for interface in ("trainer", "fabric"):
         for precision, fix in (("bf16-true", "'bf16-mixed'"), ("16-true", "'16-mixed'")):
             error = out[f"{interface} {precision}"]
             assert error is not None and error.startswith("ValueError")
             assert f"precision='{precision}'" in error and fix in error and "residual" in error
+    for interface, given_by in (("trainer", "configure_optimizers"), ("fabric", "fabric.setup")):
+        error = out[f"{interface} two optimizers"]
+        assert error is not None and error.startswith("ValueError: ScapeStrategy steps one optimizer per model")
+        assert f"{given_by} gave 2 (AdamW, Adam)" in error and "param groups of one AdamS / AdamW" in error
     trainer_warning, fabric_warning = out["one_process"]  # once per strategy, not once per step or set-up
     assert "communicates nothing" in trainer_warning and "Trainer(devices=2" in trainer_warning
     assert "Fabric(devices=2" in fabric_warning and "strategy='auto'" in fabric_warning

@@ -28,7 +28,7 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.fabric.set_up_objects import SetUpObjects
-from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary
+from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary, setup_checks
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
 from lightning_scape.wiring.warmup_notice import Syntax, WarmupNotice, call_at_exit
@@ -157,15 +157,11 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
         self, module: Module, optimizers: list[Optimizer], scheduler: _LRScheduler | None = None
     ) -> tuple[Module, list[Optimizer], _LRScheduler | None]:
         """``fabric.setup(model, optimizer)``: shard the model, then point the optimizer at the sharded parameters."""
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"ScapeFSDPStrategy steps one optimizer per model, got {len(optimizers)}. Put all parameters in "
-                "param groups of one AdamS / AdamW."
-            )
+        optimizer = setup_checks.the_one_optimizer("ScapeFSDPStrategy", optimizers, "fabric.setup")
         names = {id(p): n for n, p in module.named_parameters()}
         module = self.setup_module(module)
-        fsdp.replace_params(optimizers[0], names, module)
-        return module, [self.setup_optimizer(optimizers[0])], scheduler
+        fsdp.replace_params(optimizer, names, module)
+        return module, [self.setup_optimizer(optimizer)], scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

@@ -144,14 +144,9 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
     ) -> tuple[Module, list[Optimizer], _LRScheduler | None]:
         """Broadcast rank 0's weights, lay the parameters out for SCAPE and wrap the optimizer."""
         with rank_failures.agreed("Setting up ScapeStrategy"):  # an error on any rank: reported once, by rank 0
-            if len(optimizers) != 1:
-                names = ", ".join(type(opt).__name__ for opt in optimizers)
-                raise ValueError(
-                    f"ScapeStrategy steps one optimizer per model, got {len(optimizers)} ({names}). Put all "
-                    "parameters in param groups of one AdamS / AdamW (a group per learning rate)."
-                )
+            optimizer = setup_checks.the_one_optimizer("ScapeStrategy", optimizers, "fabric.setup")
         module = self.setup_module(module)
-        return module, [self.setup_optimizer(optimizers[0])], scheduler
+        return module, [self.setup_optimizer(optimizer)], scheduler
 
     @override
     def setup_module(self, module: Module) -> Module:  # type: ignore[override]

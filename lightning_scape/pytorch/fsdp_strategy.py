@@ -30,7 +30,7 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary
+from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary, setup_checks
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
 
@@ -155,11 +155,7 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
         """Create the user's optimizer and schedulers, then hand the optimizer to a SCAPE engine on this shard."""
         with rank_failures.agreed("Setting up the optimizer for ScapeFSDPStrategy"):  # reported once, by rank 0
             super().setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"ScapeFSDPStrategy steps one optimizer, but configure_optimizers returned "
-                    f"{len(self.optimizers)}. Put all parameters in param groups of one AdamS / AdamW."
-                )
+            setup_checks.the_one_optimizer("ScapeFSDPStrategy", self.optimizers, "configure_optimizers")
             assert self.model is not None
             comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
             scape, binding = fsdp.build_fsdp_scape_optimizer(

@@ -167,13 +167,7 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
                 "optimizer has nothing to synchronise gradients for). Return lightning_scape.AdamS(self.parameters(), "
                 "lr=...), or a torch.optim.AdamW / Adam, from configure_optimizers."
             )
-        if len(self.optimizers) != 1:
-            names = ", ".join(type(opt).__name__ for opt in self.optimizers)
-            raise ValueError(
-                f"ScapeStrategy steps one optimizer, but configure_optimizers returned {len(self.optimizers)} "
-                f"({names}): SCAPE synchronises the gradients inside that one optimizer's step. Put all parameters in "
-                "param groups of one AdamS / AdamW (a group per learning rate), or use strategy='ddp' for several."
-            )
+        setup_checks.the_one_optimizer("ScapeStrategy", self.optimizers, "configure_optimizers")
         assert self.model is not None
         scaler = loss_scaling.grad_scaler_of(self.precision_plugin)
         scape = engine_setup.build_scape_optimizer(

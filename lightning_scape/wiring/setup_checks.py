@@ -1,10 +1,13 @@
-"""Set-ups that would train badly or communicate nothing: low-precision weights refused, one process named."""
+"""Set-ups that would train badly or communicate nothing: low-precision weights and several optimizers refused, one
+process named."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
 
 # Lightning's precisions that keep the weights, and so the engine's residual and AdamS's state, in 16 bits.
 LOW_PRECISIONS = ("bf16-true", "16-true")
@@ -31,6 +34,27 @@ def refuse_low_precision(plugin: Any) -> None:
             f"moments would be kept in 16 bits and lose the small gradients SCAPE carries over. Use "
             f"precision={mixed!r} (16-bit compute, 32-bit weights and optimizer state) or '32-true'."
         )
+
+
+def the_one_optimizer(strategy: str, optimizers: Sequence[Optimizer], given_by: str) -> Optimizer:
+    """The one optimizer a SCAPE strategy steps; ``ValueError`` for none or several, saying what to do instead.
+
+    Args:
+        strategy: The strategy's class name, for the message.
+        optimizers: What the user handed over.
+        given_by: Where they came from, for the message (``"fabric.setup"``, ``"configure_optimizers"``).
+
+    Returns:
+        The optimizer.
+    """
+    if len(optimizers) == 1:
+        return optimizers[0]
+    names = ", ".join(type(opt).__name__ for opt in optimizers) or "none"
+    raise ValueError(
+        f"{strategy} steps one optimizer per model, but {given_by} gave {len(optimizers)} ({names}): SCAPE "
+        "synchronises the gradients inside that one optimizer's step. Put all parameters in param groups of one "
+        "AdamS / AdamW (a group per learning rate), or use Lightning's own DDP / FSDP strategy for several optimizers."
+    )
 
 
 def warn_if_one_process(world_size: int, interface: str) -> None:
