@@ -51,6 +51,9 @@ def test_16_bit_weights_and_two_optimizers_are_refused_by_both_strategies_and_on
         error = out[f"{interface} two optimizers"]
         assert error is not None and error.startswith("ValueError: ScapeStrategy steps one optimizer per model")
         assert f"{given_by} gave 2 (AdamW, Adam)" in error and "param groups of one AdamS / AdamW" in error
+    # The Trainer's fit has no LR scheduler (its converted AdamW is told at set-up); Fabric's loop cannot tell.
+    (no_scheduler,) = out["no_scheduler"]
+    assert "AdamW" in no_scheduler and "CosineAnnealingLR" in no_scheduler
     trainer_warning, fabric_warning = out["one_process"]  # once per strategy, not once per step or set-up
     assert "communicates nothing" in trainer_warning and "Trainer(devices=2" in trainer_warning
     assert "Fabric(devices=2" in fabric_warning and "strategy='auto'" in fabric_warning

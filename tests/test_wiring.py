@@ -516,3 +516,16 @@ def test_a_converted_lr_that_never_changes_is_told_once_after_the_dense_steps_an
             told_once.before_step([{"lr": 1e-3}])
     (message,) = [str(w.message) for w in caught]
     assert "CosineAnnealingLR" in message and "AdamW converted to AdamS" in message
+
+
+def test_a_converted_optimizer_without_a_scheduler_is_told_before_its_first_step_and_not_again() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        notices = ConvertedLrNotices("AdamW", converted=True)
+        notices.no_scheduler()  # what the Trainer strategies call at set-up when there is no LR scheduler
+        for _ in range(CONSTANT_LR_STEPS + 10):
+            notices.before_step([{"lr": 1e-3}])
+        ConvertedLrNotices("AdamS", converted=False).no_scheduler()  # the AdamS the user chose: nothing
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith("lightning_scape: configure_optimizers returned no learning-rate scheduler")
+    assert "CosineAnnealingLR" in message and "up to 31%" in message

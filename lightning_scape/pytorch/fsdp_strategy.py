@@ -168,6 +168,8 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
             )
         self._bindings.append(binding)
         self.optimizers = [scape]
+        if not self.lr_scheduler_configs:  # a constant rate, known before the first step
+            scape.tell_no_lr_scheduler()
 
     # ----------------------------------------------------------------------------------------- a step
 

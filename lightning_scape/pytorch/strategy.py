@@ -174,6 +174,8 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
             self.optimizers[0], self.scape_config, self.model, scaler, self.scape_run
         )
         self.optimizers = [scape]
+        if not self.lr_scheduler_configs:  # a constant rate, known before the first step
+            scape.tell_no_lr_scheduler()
 
     @override
     def on_train_start(self) -> None:

@@ -62,6 +62,17 @@ class ConvertedLrNotices:
             f"section 2). Use lr={CONVERTED_LR_CEILING:g} (or about half the lr tuned for {name}) and a warm-up."
         )
 
+    def no_scheduler(self) -> None:
+        """Before the first step, where the loop has no learning-rate scheduler (the Trainer knows it at set-up):
+        say now what :meth:`_constant` would say after :data:`CONSTANT_LR_STEPS` steps, and not again."""
+        if self.constant_told:
+            return
+        self.constant_told = True
+        rank_zero_warn(
+            "lightning_scape: configure_optimizers returned no learning-rate scheduler, so the rate stays constant. "
+            f"{_constant_rate_advice(self.name)} If the training step changes the rate itself, ignore this."
+        )
+
     def _constant(self, lrs: list[float]) -> None:
         if self.first_lrs is None or len(lrs) != len(self.first_lrs):  # the first step, or a param group added
             self.first_lrs, self.steps = lrs, 0
@@ -72,13 +83,18 @@ class ConvertedLrNotices:
         if self.steps < CONSTANT_LR_STEPS:
             return
         self.constant_told = True
-        name = self.name
         rank_zero_warn(
-            f"lightning_scape: the learning rate has not changed in {CONSTANT_LR_STEPS} steps. AdamS, which SCAPE "
-            f"converted your {name} to, keeps moving each coordinate by about lr per step where {name}'s steps "
-            f"shrink: at a constant rate a small CNN and an MLP ended up to 31% above {name}'s loss after 600 steps "
-            f"(as did AdamS with every step sent: up to 34%), while with a decaying rate every model measured ended "
-            f"within 5% of it or below (docs/benchmarks.md, 'AdamW converted to AdamS'). Decay the learning rate "
-            f"towards the end of training (e.g. torch.optim.lr_scheduler.CosineAnnealingLR), or lower it; a scheduler "
-            f"that lowers it later (once an epoch, say) already does."
+            f"lightning_scape: the learning rate has not changed in {CONSTANT_LR_STEPS} steps. "
+            f"{_constant_rate_advice(self.name)} A scheduler that lowers it later (once an epoch, say) already does."
         )
+
+
+def _constant_rate_advice(name: str) -> str:
+    """What a constant rate does to a converted ``name`` (measured), and what to do."""
+    return (
+        f"AdamS, which SCAPE converted your {name} to, keeps moving each coordinate by about lr per step where "
+        f"{name}'s steps shrink: at a constant rate a small CNN and an MLP ended up to 31% above {name}'s loss after "
+        f"600 steps (as did AdamS with every step sent: up to 34%), while with a decaying rate every model measured "
+        f"ended within 5% of it or below (docs/benchmarks.md, 'AdamW converted to AdamS'). Decay the learning rate "
+        f"towards the end of training (e.g. torch.optim.lr_scheduler.CosineAnnealingLR), or lower it."
+    )

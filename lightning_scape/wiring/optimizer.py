@@ -164,6 +164,11 @@ class ScapeOptimizer(Optimizer):
         # The AdamS the user chose is stepped as chosen; a converted AdamW or Adam is told about its learning rate.
         self._lr_notices = ConvertedLrNotices(type(self.source).__name__, converted=self.source is not adams)
 
+    def tell_no_lr_scheduler(self) -> None:
+        """The loop has no learning-rate scheduler (known before the first step): a converted optimizer is told
+        once, now, what a constant rate does to it."""
+        self._lr_notices.no_scheduler()
+
     @property
     def optimizer(self) -> Optimizer:
         """The optimizer the user created (AdamW, Adam or the AdamS), whose param groups these are."""
