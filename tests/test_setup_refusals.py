@@ -47,10 +47,10 @@ def test_16_bit_weights_and_two_optimizers_are_refused_by_both_strategies_and_on
             error = out[f"{interface} {precision}"]
             assert error is not None and error.startswith("ValueError")
             assert f"precision='{precision}'" in error and fix in error and "residual" in error
-    for interface, given_by in (("trainer", "configure_optimizers"), ("fabric", "fabric.setup")):
+    for interface, given in (("trainer", "configure_optimizers returned"), ("fabric", "fabric.setup was given")):
         error = out[f"{interface} two optimizers"]
         assert error is not None and error.startswith("ValueError: ScapeStrategy steps one optimizer per model")
-        assert f"{given_by} gave 2 (AdamW, Adam)" in error and "param groups of one AdamS / AdamW" in error
+        assert f"{given} 2 (AdamW, Adam)" in error and "param groups of one AdamS / AdamW" in error
     # The Trainer's fit has no LR scheduler (its converted AdamW is told at set-up); Fabric's loop cannot tell.
     (no_scheduler,) = out["no_scheduler"]
     assert "AdamW" in no_scheduler and "CosineAnnealingLR" in no_scheduler

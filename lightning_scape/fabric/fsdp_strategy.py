@@ -157,7 +157,7 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
         self, module: Module, optimizers: list[Optimizer], scheduler: _LRScheduler | None = None
     ) -> tuple[Module, list[Optimizer], _LRScheduler | None]:
         """``fabric.setup(model, optimizer)``: shard the model, then point the optimizer at the sharded parameters."""
-        optimizer = setup_checks.the_one_optimizer("ScapeFSDPStrategy", optimizers, "fabric.setup")
+        optimizer = setup_checks.the_one_optimizer("ScapeFSDPStrategy", optimizers, "fabric.setup was given")
         names = {id(p): n for n, p in module.named_parameters()}
         module = self.setup_module(module)
         fsdp.replace_params(optimizer, names, module)

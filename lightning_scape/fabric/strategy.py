@@ -144,7 +144,7 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
     ) -> tuple[Module, list[Optimizer], _LRScheduler | None]:
         """Broadcast rank 0's weights, lay the parameters out for SCAPE and wrap the optimizer."""
         with rank_failures.agreed("Setting up ScapeStrategy"):  # an error on any rank: reported once, by rank 0
-            optimizer = setup_checks.the_one_optimizer("ScapeStrategy", optimizers, "fabric.setup")
+            optimizer = setup_checks.the_one_optimizer("ScapeStrategy", optimizers, "fabric.setup was given")
         module = self.setup_module(module)
         return module, [self.setup_optimizer(optimizer)], scheduler
 

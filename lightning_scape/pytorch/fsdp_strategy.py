@@ -155,7 +155,7 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
         """Create the user's optimizer and schedulers, then hand the optimizer to a SCAPE engine on this shard."""
         with rank_failures.agreed("Setting up the optimizer for ScapeFSDPStrategy"):  # reported once, by rank 0
             super().setup_optimizers(trainer)
-            setup_checks.the_one_optimizer("ScapeFSDPStrategy", self.optimizers, "configure_optimizers")
+            setup_checks.the_one_optimizer("ScapeFSDPStrategy", self.optimizers, "configure_optimizers returned")
             assert self.model is not None
             comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
             scape, binding = fsdp.build_fsdp_scape_optimizer(

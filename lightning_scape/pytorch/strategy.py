@@ -167,7 +167,7 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
                 "optimizer has nothing to synchronise gradients for). Return lightning_scape.AdamS(self.parameters(), "
                 "lr=...), or a torch.optim.AdamW / Adam, from configure_optimizers."
             )
-        setup_checks.the_one_optimizer("ScapeStrategy", self.optimizers, "configure_optimizers")
+        setup_checks.the_one_optimizer("ScapeStrategy", self.optimizers, "configure_optimizers returned")
         assert self.model is not None
         scaler = loss_scaling.grad_scaler_of(self.precision_plugin)
         scape = engine_setup.build_scape_optimizer(

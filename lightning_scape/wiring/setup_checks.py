@@ -36,13 +36,13 @@ def refuse_low_precision(plugin: Any) -> None:
         )
 
 
-def the_one_optimizer(strategy: str, optimizers: Sequence[Optimizer], given_by: str) -> Optimizer:
+def the_one_optimizer(strategy: str, optimizers: Sequence[Optimizer], given: str) -> Optimizer:
     """The one optimizer a SCAPE strategy steps; ``ValueError`` for none or several, saying what to do instead.
 
     Args:
         strategy: The strategy's class name, for the message.
         optimizers: What the user handed over.
-        given_by: Where they came from, for the message (``"fabric.setup"``, ``"configure_optimizers"``).
+        given: How they came, for the message (``"fabric.setup was given"``, ``"configure_optimizers returned"``).
 
     Returns:
         The optimizer.
@@ -51,7 +51,7 @@ def the_one_optimizer(strategy: str, optimizers: Sequence[Optimizer], given_by: 
         return optimizers[0]
     names = ", ".join(type(opt).__name__ for opt in optimizers) or "none"
     raise ValueError(
-        f"{strategy} steps one optimizer per model, but {given_by} gave {len(optimizers)} ({names}): SCAPE "
+        f"{strategy} steps one optimizer per model, but {given} {len(optimizers)} ({names}): SCAPE "
         "synchronises the gradients inside that one optimizer's step. Put all parameters in param groups of one "
         "AdamS / AdamW (a group per learning rate), or use Lightning's own DDP / FSDP strategy for several optimizers."
     )
