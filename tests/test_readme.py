@@ -45,6 +45,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert any(ci[i : i + len(cmd)] == cmd for i in range(len(ci))), (cmd, ci)
 
 
+def test_the_test_command_runs_lint_types_and_both_test_lanes() -> None:
+    script = " ".join(readme_test_command())
+    if "tests/run_all.sh" in script:
+        script += "\n" + (ROOT / "tests" / "run_all.sh").read_text()
+    for step in ("ruff check", "ruff format --check", "mypy", '-m "not dist"', "-m dist"):
+        assert step in script, f"README.md's test command does not run {step}"
+
+
 def test_readme_setup_commands_install_the_torch_ci_tests() -> None:
     ci_pins = set(TORCH_PIN.findall(CI.read_text()))
     assert len(ci_pins) == 1, ci_pins
