@@ -233,6 +233,12 @@ class ScapeConfig:
         return float(d ** (ramp_step / self.density_ramp_steps))
 
     @property
+    def masks_built_locally(self) -> bool:
+        """Whether every rank builds every mask itself, from the replicated momentum (``sharded=False``): no index
+        all-gather."""
+        return not self.sharded
+
+    @property
     def dense_steps(self) -> int:
         """The steps sent dense: the warm-up, and the ramp's first steps, denser than :data:`DENSE_ABOVE`."""
         step = self.dense_warmup_steps

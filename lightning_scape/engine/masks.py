@@ -68,7 +68,7 @@ class MaskSchedule:
     @property
     def is_local(self) -> bool:
         """Whether every rank computes every mask from identical state (no index traffic): replicated momentum."""
-        return not self.config.sharded and self.statistic == "momentum"
+        return self.config.masks_built_locally and self.statistic == "momentum"
 
     # ---------------------------------------------------------------------------- the schedule
 

@@ -141,7 +141,6 @@ class ScapeTraffic:
         self.clip = clip
         # (padded elements, chunk size, chunks per shard, bytes per value) per group of equal buckets.
         self.shapes = _grouped((b.padded_numel, b.chunk_size, b.chunks_per_shard, b.dtype.itemsize) for b in layout)
-        self.local_masks = not config.sharded  # every rank builds every mask from the replicated momentum
 
     @property
     def schedule_steps(self) -> int:
@@ -174,7 +173,7 @@ class ScapeTraffic:
 
     def _indices(self, for_step: int) -> tuple[Collective, ...]:
         """The index all-gathers of masks built for ``for_step`` (none when every rank computes every mask)."""
-        if self.local_masks:
+        if self.config.masks_built_locally:
             return ()
         slots = self.config.slots_at
         return self._each("all_gather", "indices", lambda p, c, n, b: (n * slots(for_step, c), INDEX_ITEMSIZE))

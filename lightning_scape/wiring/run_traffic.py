@@ -8,6 +8,7 @@ are left out: a few bytes per step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from lightning_scape.comm.int8_packets import packet_bytes
@@ -64,7 +65,7 @@ def _int8_pair_bytes(per_rank: int, group: int, world_size: int) -> int:
 
 def mask_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size: int, step: int) -> int:
     """The indices of the masks built for sparse step ``step`` (none where every rank builds every mask)."""
-    if not config.sharded:  # every rank builds every mask from the replicated momentum
+    if config.masks_built_locally:
         return 0
     return sum(
         all_gather_bytes(b.chunks * config.slots_at(step, b.chunk_size) // world_size, _INDEX_BYTES, world_size)
@@ -91,11 +92,10 @@ def run_bytes(buckets: Sequence[Bucket], config: ScapeConfig, world_size: int, s
     def sparse(step: int) -> float:
         return sparse_step_bytes(buckets, config, world_size, step)
 
-    def masks(step: int) -> float:
-        return mask_bytes(buckets, config, world_size, step)
-
     scape = dense * dense_step_bytes(buckets, config, world_size) + _sum_steps(dense + 1, steps, ramp_end, sparse)
-    scape += _sum_steps(config.dense_steps + 1, steps + config.mask_delay, ramp_end, masks)
+    masks_end = steps + config.mask_delay  # the last masks are built for the step after the run
+    masks = functools.partial(mask_bytes, buckets, config, world_size)
+    scape += _sum_steps(config.dense_steps + 1, masks_end, ramp_end, masks)
     return scape, steps * ddp_step_bytes(buckets, world_size)
 
 
