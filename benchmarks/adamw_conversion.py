@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from benchmarks import reporting
 from benchmarks.quality import GIVEN_LINKS, GivenLinkPilot
 from benchmarks.user_models import WORKLOADS, Workload
 from lightning_scape import ScapeConfig, ScapeEngine, simulate
@@ -336,16 +337,10 @@ def scape_table(done: dict[str, dict[str, Any]], workloads: list[str]) -> list[s
         ddp, dense, scape = recs
         dense_ratio, ratio = (r["curve"][-1]["loss"] / ddp["curve"][-1]["loss"] for r in (dense, scape))
         sent = scape["curve"][-1]["bytes"] / ddp["curve"][-1]["bytes"]
-        form = _switches(scape.get("decisions", []))
+        form = reporting.form_switches(scape.get("decisions", []))
         lines.append(f"| {name} | {schedule} | (0.9, {b2}) | {seed} | {final(ddp)} | {final(dense)} | {final(scape)} "
                      f"| {dense_ratio:.3f} | {ratio:.3f} | {form} | {sent:.3f} |")  # fmt: skip
     return lines
-
-
-def _switches(decisions: list[tuple[int, str]]) -> str:
-    """The form chosen at the first decision and each change after it ("int8 d=0.025 @10")."""
-    changes = [(step, form) for i, (step, form) in enumerate(decisions) if i == 0 or form != decisions[i - 1][1]]
-    return ", ".join(f"{form} @{step}" for step, form in changes)
 
 
 STEP_COLUMNS = ((1, 1), (2, 2), (3, 3), (4, 10), (11, 30), (31, 100))

@@ -75,6 +75,16 @@ def process_age_s() -> float:
         return 0.0
 
 
+def form_switches(decisions: Sequence[Sequence[Any]]) -> str:
+    """The form a pilot chose at its first decision and each change after it ("int8 d=0.025 @10").
+
+    Args:
+        decisions: ``(step, form name)`` per decision, in order.
+    """
+    changes = [(d[0], d[1]) for i, d in enumerate(decisions) if i == 0 or d[1] != decisions[i - 1][1]]
+    return ", ".join(f"{form} @{step}" for step, form in changes)
+
+
 def write_csv(path: str, rows: Sequence[dict[str, Any]]) -> None:
     """``rows`` as CSV; the columns are every key of every row, in the order they first appear."""
     keys: list[str] = []

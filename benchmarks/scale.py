@@ -1,4 +1,4 @@
-"""SCAPE's quality at a size users train, on one GPU: a 110M-parameter litgpt model, two ranks, three methods.
+"""SCAPE's quality at a size users train, on one GPU: a 110M-parameter litgpt model, two ranks, four methods.
 
     python -m benchmarks.scale                   # on a CUDA GPU: sized to end within 8 minutes (--budget-s 480)
     python -m benchmarks.scale --budget-s 300    # a shorter budget: a smaller batch, the same 1000 steps
@@ -16,8 +16,11 @@ this size; weight decay 0.1 on the matrices), a cosine schedule with a 5% linear
 method starts from the same weights and sees the same batches:
 
 - ``ddp_adams``: DDP + AdamS, every gradient all-reduced every step (SCAPE's engine held dense: the yardstick);
-- ``scape_default``: SCAPE at fp32 and d = 0.01 (the former default form; the rest of the package's defaults);
-- ``scape_int8_d0.025``: the int8 wire at d = 0.025.
+- ``scape_fp32_d0.01``: SCAPE at fp32 and d = 0.01 (the former default form; the rest of the package's defaults);
+- ``scape_int8_d0.025``: the int8 wire at d = 0.025;
+- ``scape_auto_100mbit``: the package's defaults, whose form pilot reads a 100 Mbit/s link (the link of
+  ``benchmarks/quality.py``'s ``auto_100mbit``; the simulated ranks' own link is memory) and chooses the form a user
+  on such a link gets.
 
 The schedules scale with the run: at 1000 steps (the default) SCAPE's are exactly the package's defaults (30 dense
 warm-up steps, a 400-step density ramp), the ones ``docs/algorithm.md`` section 7 measured on the small model.
@@ -26,7 +29,7 @@ warm-up steps, a 400-step density ramp), the ones ``docs/algorithm.md`` section 
 will launch (a dry run of each SCAPE engine through its schedule, without the model's forward and backward), and
 probes the step: DDP + AdamS at two batch sizes (the time per sequence and the time that does not grow with the
 batch), each SCAPE method's sparse step, one validation pass, the set-up and the peak memory. From those and the
-time left it picks the largest batch per rank (sequences of 1024 tokens) at which the three runs end within 85% of
+time left it picks the largest batch per rank (sequences of 1024 tokens) at which the runs end within 85% of
 the budget, that reads the training text at most twice (``--max-epochs``) and fits in 90% of the GPU's memory.
 Before each run it checks the time left against the runs before it, and skips a run that would end past the budget.
 
@@ -66,24 +69,33 @@ from torch import Tensor
 
 from benchmarks import reporting
 from benchmarks.cpu_fallback import cpu_fallback
-from benchmarks.quality import CLIP, scape_config
+from benchmarks.quality import CLIP, GIVEN_LINKS, GivenLinkPilot, scape_config
 from lightning_scape import ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.examples.workloads import adams_optimizer, lm_loss, sample_batch, set_cosine_lr
 from lightning_scape.litgpt.data import STDLIB_EXCLUDED_DIRS, TextFolder, default_cache_dir, stdlib_root
 
 # The methods, each a configuration of benchmarks/quality.py (its names) and the label the report gives it.
-METHODS: dict[str, str] = {"ddp_adams": "dense", "scape_default": "default", "scape_int8_d0.025": "int8_d0.025"}
+METHODS: dict[str, str] = {
+    "ddp_adams": "dense",
+    "scape_fp32_d0.01": "default",
+    "scape_int8_d0.025": "int8_d0.025",
+    "scape_auto_100mbit": "auto_100mbit",
+}
 LABELS: dict[str, str] = {
     "ddp_adams": "DDP + AdamS",
-    "scape_default": "SCAPE defaults (d = 0.01)",
+    "scape_fp32_d0.01": "SCAPE fp32 wire, d = 0.01",
     "scape_int8_d0.025": "SCAPE int8 wire, d = 0.025",
+    "scape_auto_100mbit": "SCAPE defaults at 100 Mbit/s",
 }
+# The fixed form a method whose pilot chooses its form is probed as: the one it chose on every model measured at
+# that link (docs/benchmarks.md, "AdamW converted to AdamS"), since the probe's few steps end before a decision.
+PROBED_AS: dict[str, str] = {"scape_auto_100mbit": "scape_int8_d0.025"}
 BASELINE = "ddp_adams"
 # The run length at which SCAPE's schedule is the package's default (30 dense warm-up steps, a 400-step ramp),
 # and quality.py's tables were measured: other lengths scale the schedule by steps / REFERENCE_STEPS.
 REFERENCE_STEPS = 1000
-# The three runs must end within this share of the time left when they are planned (the rest absorbs what the
+# The runs must end within this share of the time left when they are planned (the rest absorbs what the
 # probe did not see), and the batch leaves this share of the GPU's memory unused.
 TIME_SAFETY = 0.85
 MEMORY_SHARE = 0.9
@@ -331,6 +343,15 @@ def method_config(method: str, steps: int) -> ScapeConfig:
     )
 
 
+def method_engine(
+    method: str, config: ScapeConfig, opt: torch.optim.Optimizer, comm: Communicator, model: torch.nn.Module
+) -> tuple[ScapeEngine, GivenLinkPilot | None]:
+    """The method's engine over ``model``, and the form pilot that reads the method's given link, if it has one."""
+    links = GIVEN_LINKS.get(METHODS[method])
+    pilot = None if links is None else GivenLinkPilot(links)
+    return ScapeEngine(opt, config, comm, list(model.parameters()), form_pilot=pilot), pilot
+
+
 def lr_warmup_steps(steps: int, size: Size) -> int:
     """The linear learning-rate warm-up of a run of ``steps``."""
     return max(1, round(size.lr_warmup_fraction * steps))
@@ -370,7 +391,7 @@ def train_rank(rank: int, comm: Communicator, spec: RunSpec, shared: Shared) -> 
         torch.set_num_threads(1)  # two rank threads on two cores
     model = copy.deepcopy(shared.base).to(device)
     opt = adams_optimizer(model, size.peak_lr)
-    engine = ScapeEngine(opt, spec.config, comm, list(model.parameters()))
+    engine, pilot = method_engine(spec.method, spec.config, opt, comm, model)
     gen = torch.Generator().manual_seed(1234 + rank + 1000 * size.seed)
     every, warm = eval_every(spec.steps, size), lr_warmup_steps(spec.steps, size)
     tokens_per_step = size.world_size * spec.batch * size.block_size
@@ -421,14 +442,24 @@ def train_rank(rank: int, comm: Communicator, spec: RunSpec, shared: Shared) -> 
         "setup_s": setup_s,
         "eval_s": eval_s,
         "dense_equivalent_per_step": engine.counters.total_dense_equivalent / spec.steps,
-        "dense_steps": spec.config.dense_steps,
+        "dense_steps": engine.config.dense_steps,  # of the form in use at the end (a pilot may have chosen it)
+        "decisions": [] if pilot is None else [(d.step, d.chosen.name) for d in pilot.decisions],
     }
     engine.close()
     return record
 
 
 # What a run's record takes from rank 0's (the other rank's are the same, or, for the curves, not computed).
-RANK0_KEYS = ("step_bytes", "step_s", "curve", "segments", "eval_s", "dense_equivalent_per_step", "dense_steps")
+RANK0_KEYS = (
+    "step_bytes",
+    "step_s",
+    "curve",
+    "segments",
+    "eval_s",
+    "dense_equivalent_per_step",
+    "dense_steps",
+    "decisions",
+)
 
 
 def run(spec: RunSpec, shared: Shared) -> dict[str, Any]:
@@ -480,7 +511,7 @@ def warm_kernels(method: str, steps: int, shared: Shared) -> float:
 
     def worker(rank: int, comm: Communicator) -> None:
         model = copy.deepcopy(shared.base).to(device)
-        engine = ScapeEngine(adams_optimizer(model, shared.size.peak_lr), cfg, comm, list(model.parameters()))
+        engine, _ = method_engine(method, cfg, adams_optimizer(model, shared.size.peak_lr), comm, model)
         for _ in range(min(steps, cfg.dense_warmup_steps + cfg.density_ramp_steps + 2)):
             engine.step(max_grad_norm=CLIP)  # no backward: every bucket sends zeros
             engine.zero_grad()
@@ -536,7 +567,7 @@ class Plan:
 
 def predicted_run_s(probe: Probe, size: Size, method: str, steps: int, batch: int) -> float:
     """Predicted seconds of one run: set-up, validations, dense and sparse steps."""
-    sparse = max(0, steps - method_config(method, steps).dense_steps)
+    sparse = max(0, steps - method_config(PROBED_AS.get(method, method), steps).dense_steps)
     evals = math.ceil(steps / eval_every(steps, size))
     return (
         probe.setup_s
@@ -599,8 +630,9 @@ def probe_step(shared: Shared, methods: list[str], steps: int) -> Probe:
         if m == BASELINE:
             continue
         # Two dense steps, then sparse at the method's density; the first sparse steps are not timed.
-        cfg = dataclasses.replace(method_config(m, steps), dense_warmup_steps=2, density_ramp_steps=0)
-        rec = run(RunSpec(m, cfg, 2 + PROBE_STEPS, b2, probe=True), shared)
+        probed = PROBED_AS.get(m, m)
+        cfg = dataclasses.replace(method_config(probed, steps), dense_warmup_steps=2, density_ramp_steps=0)
+        rec = run(RunSpec(probed, cfg, 2 + PROBE_STEPS, b2, probe=True), shared)
         extra[m] = statistics.median(rec["step_s"][2 + PROBE_SKIP :]) - baseline[1]
         peaks[m] = rec["peak_memory_bytes"] or 0
         setups.append(rec["setup_s"])
@@ -632,6 +664,7 @@ def summary(records: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         row = {
             "method": method,
             "label": rec["label"],
+            "forms": reporting.form_switches(rec.get("decisions", [])),
             "final_val_loss": final_val,
             "val_vs_ddp_adams": final_val / base["curve"][-1][2] if base else None,
             "train_loss_last_tenth": train,
@@ -715,8 +748,10 @@ def report_md(results: dict[str, Any]) -> str:
         "Losses in nats per BPE token; final val loss: the last evaluation. Bytes: what rank 0's ring collectives "
         "send (the engine's counters), against DDP's all-reduce of the same gradients. tokens/s and peak memory: "
         "both ranks together on one GPU (threads, in-memory collectives), evaluation and the first stretch of "
-        "steps left out: not a two-GPU figure.",
+        "steps left out: not a two-GPU figure. The peak depends on whether the two ranks' forward passes coincide, "
+        "and differs between runs of one method.",
     ]
+    lines += [f"{r['label']}: the form pilot chose {r['forms']}." for r in results["summary"] if r["forms"]]
     return "\n".join(lines) + "\n"
 
 
@@ -778,7 +813,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="out/scale", help="where the report, CSVs, plot and JSON go")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default 1000; --tiny: 12)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per rank and step (default: sized)")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {list(METHODS)}")
+    ap.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated, from {list(METHODS)}; without {BASELINE} no ratios are reported",
+    )
     ap.add_argument("--corpus", default=None, help="python (default), stdlib, or a folder of text")
     ap.add_argument("--max-bytes", type=int, default=None, help="text to read (default 64 MB; --tiny: 300 kB)")
     ap.add_argument("--max-epochs", type=float, default=None, help="the most passes over the training text (2)")
@@ -830,8 +869,8 @@ def main(argv: list[str] | None = None) -> int:
     size = resolve_size(args)
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
-    if unknown or BASELINE not in methods:
-        raise SystemExit(f"--methods must name {BASELINE} and others of {list(METHODS)}; got {methods}")
+    if unknown or not methods:
+        raise SystemExit(f"--methods must name some of {list(METHODS)}; got {methods}")
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
         torch.set_float32_matmul_precision("high")

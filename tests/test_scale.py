@@ -19,6 +19,7 @@ from benchmarks import gpu_check
 from benchmarks.scale import (
     BASELINE,
     FULL,
+    LABELS,
     METHODS,
     MIN_STEPS,
     TIME_SAFETY,
@@ -60,31 +61,42 @@ def test_tiny_run_trains_every_method_from_the_same_start_and_writes_the_report(
         assert rec["train_loss"][-1] < rec["train_loss"][0], method  # every method learns
         assert [c[0] for c in rec["curve"]] == [4, 8, 12]
     # The schedule scaled to 12 steps: one dense warm-up step and a 5-step ramp, then sparse steps.
-    assert runs["scape_default"]["config"]["dense_warmup_steps"] == 1
-    assert runs["scape_default"]["config"]["density_ramp_steps"] == 5
+    assert runs["scape_fp32_d0.01"]["config"]["dense_warmup_steps"] == 1
+    assert runs["scape_fp32_d0.01"]["config"]["density_ramp_steps"] == 5
     rows = {r["method"]: r for r in results["summary"]}
     assert rows[BASELINE]["val_vs_ddp_adams"] == 1.0
-    for method in ("scape_default", "scape_int8_d0.025"):
+    for method in ("scape_fp32_d0.01", "scape_int8_d0.025"):
         assert rows[method]["ddp_bytes_over_sent_after_ramp"] > 50  # about 1% of the values, with indices
         assert rows[method]["sent_over_ddp_run"] < 0.5
+    # The defaults' pilot read the given 100 Mbit/s link and chose a form on the int8 wire (dense for a model this
+    # small, whose bytes cost less than the given compute); the report says which.
+    decisions = runs["scape_auto_100mbit"]["decisions"]
+    assert decisions and decisions[0][1].startswith("int8"), decisions
+    assert rows["scape_auto_100mbit"]["forms"].startswith("int8") and not rows["scape_fp32_d0.01"]["forms"]
     with open(out / "curves.csv") as fh:
         curves = list(csv.DictReader(fh))
-    assert len(curves) == 3 * 3 and {"method", "step", "tokens", "val_loss", "bytes_sent", "ddp_bytes"} <= set(
-        curves[0]
-    )
+    assert len(curves) == len(METHODS) * 3 and {
+        "method",
+        "step",
+        "tokens",
+        "val_loss",
+        "bytes_sent",
+        "ddp_bytes",
+    } <= set(curves[0])
     with open(out / "steps.csv") as fh:
-        assert len(list(csv.DictReader(fh))) == 3 * 12
+        assert len(list(csv.DictReader(fh))) == len(METHODS) * 12
     assert (out / "scale.png").stat().st_size > 0
     md = (out / "report.md").read_text()
     assert "No CUDA GPU" in md and "Nothing here is a measurement" in md
-    assert all(label in md for label in ("DDP + AdamS", "SCAPE defaults (d = 0.01)", "SCAPE int8 wire, d = 0.025"))
+    assert all(label in md for label in LABELS.values())
+    assert "SCAPE defaults at 100 Mbit/s: the form pilot chose int8" in md
 
 
 def test_the_schedule_is_the_default_at_1000_steps_and_scales_with_the_run() -> None:
-    default = method_config("scape_default", 1000)
+    default = method_config("scape_fp32_d0.01", 1000)
     assert default == ScapeConfig(density=0.01)  # the fixed form of the former defaults
     assert method_config("scape_int8_d0.025", 1000) == ScapeConfig(wire_format="int8", density=0.025)
-    long = method_config("scape_default", 2000)
+    long = method_config("scape_fp32_d0.01", 2000)
     assert (long.dense_warmup_steps, long.density_ramp_steps) == (60, 800)
     short = method_config("scape_int8_d0.025", 12)
     assert (short.dense_warmup_steps, short.density_ramp_steps, short.density) == (1, 5, 0.025)
@@ -99,13 +111,13 @@ def _probe(memory_gb: float | None = 80.0) -> Probe:
     return Probe(
         batches=(4, 8),
         baseline_step_s=(0.040, 0.060),
-        sparse_extra_s={"scape_default": 0.004, "scape_int8_d0.025": 0.006},
+        sparse_extra_s={"scape_fp32_d0.01": 0.004, "scape_int8_d0.025": 0.006},
         eval_s=0.3,
         setup_s=3.0,
         peak_bytes={
             f"{BASELINE}@4": int(8 * gb),
             BASELINE: int(10 * gb),
-            "scape_default": int(10.5 * gb),
+            "scape_fp32_d0.01": int(10.5 * gb),
             "scape_int8_d0.025": int(10.2 * gb),
         },
         device_bytes=int(memory_gb * gb) if memory_gb else None,
@@ -116,7 +128,7 @@ def test_the_plan_takes_the_largest_batch_that_fits_the_time_the_text_and_the_me
     methods = list(METHODS)
     probe = _probe()
     assert probe.step_s(BASELINE, 10, sparse=False) == pytest.approx(0.070)
-    assert probe.step_s("scape_default", 10, sparse=True) == pytest.approx(0.074)
+    assert probe.step_s("scape_fp32_d0.01", 10, sparse=True) == pytest.approx(0.074)
     # Time: the largest batch whose three runs fit TIME_SAFETY of the time left, and one more does not.
     plan = make_plan(probe, FULL, methods, 300.0, 10**9, 1000)
     assert plan.limit == "time" and plan.steps == 1000
