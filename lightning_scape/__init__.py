@@ -1,26 +1,56 @@
 """lightning_scape: SCAPE extreme-sparse data-parallel training for PyTorch Lightning and Fabric.
 
 The algorithm lives in :class:`ScapeEngine` (``docs/algorithm.md``); :class:`AdamS` is its base
-optimizer, usable on its own.
+optimizer, usable on its own. Neither needs Lightning: importing this package imports Lightning's adapters (the
+strategies, the monitors) only when they are first used, and registers ``strategy="scape"`` with the Trainer and
+with Fabric whenever Lightning is loaded (:mod:`lightning_scape.registration`).
 """
 
-# Importing the two Lightning adapters registers strategy="scape" with the Trainer and with Fabric.
-from lightning_scape import pytorch  # lightning_scape.pytorch.ScapeStrategy: the Trainer's strategy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_scape.adams import AdamS
 from lightning_scape.comm import ByteCounters, Communicator, ProcessGroupCommunicator, SoloCommunicator
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.engine.form_switch import set_default_pilot
-from lightning_scape.fabric import ScapeFSDPStrategy, ScapeStrategy  # Fabric's strategies
 from lightning_scape.planning.pilot import FormPilot
-from lightning_scape.pytorch.monitors import CommunicationMonitor, MaskMonitor
+from lightning_scape.registration import register_with_lightning
 from lightning_scape.simulation import simulate
-from lightning_scape.wiring.optimizer import ScapeOptimizer
-from lightning_scape.wiring.setup_checks import OneProcessWarning
-from lightning_scape.wiring.warmup_notice import DenseWarmupWarning
+
+if TYPE_CHECKING:
+    from lightning_scape import pytorch
+    from lightning_scape.fabric import ScapeFSDPStrategy, ScapeStrategy
+    from lightning_scape.pytorch.monitors import CommunicationMonitor, MaskMonitor
+    from lightning_scape.wiring.optimizer import ScapeOptimizer
+    from lightning_scape.wiring.setup_checks import OneProcessWarning
+    from lightning_scape.wiring.warmup_notice import DenseWarmupWarning
 
 # Where a ScapeConfig leaves the wire format and the density unset, the engine chooses them with this pilot.
 set_default_pilot(FormPilot)
+register_with_lightning()
+
+# The names that need Lightning, and the module each comes from: imported on first use (PEP 562).
+_LIGHTNING_NAMES: dict[str, str] = {
+    "ScapeStrategy": "lightning_scape.fabric",  # Fabric's; the Trainer's is lightning_scape.pytorch.ScapeStrategy
+    "ScapeFSDPStrategy": "lightning_scape.fabric",
+    "CommunicationMonitor": "lightning_scape.pytorch.monitors",
+    "MaskMonitor": "lightning_scape.pytorch.monitors",
+    "ScapeOptimizer": "lightning_scape.wiring.optimizer",
+    "OneProcessWarning": "lightning_scape.wiring.setup_checks",
+    "DenseWarmupWarning": "lightning_scape.wiring.warmup_notice",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "pytorch":
+        return importlib.import_module("lightning_scape.pytorch")
+    if name in _LIGHTNING_NAMES:
+        return getattr(importlib.import_module(_LIGHTNING_NAMES[name]), name)
+    raise AttributeError(f"module 'lightning_scape' has no attribute {name!r}")
+
 
 __version__ = "0.1.0.dev0"
 

@@ -148,16 +148,6 @@ def run_gloo(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: flo
         return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
-# The start of a ``python -c`` script that needs only ``lightning_scape.comm``: the installed package's comm layer,
-# without the package's ``__init__``, which imports Lightning to register the strategies (2 s of a process's start).
-COMM_ONLY = """
-import importlib.util, sys, types
-_package = types.ModuleType("lightning_scape")
-_package.__path__ = list(importlib.util.find_spec("lightning_scape").submodule_search_locations)
-sys.modules["lightning_scape"] = _package
-"""
-
-
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for worker processes: one thread, no stray distributed variables, ``tests/`` and the
     repository's root (``benchmarks``) importable, and Python's fault handler on (a process that aborts prints

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"simulation", "planning"},  # planning: lightning-scape estimate (config, comm and engine; no strategy)
     {"wiring"},
-    {"fabric", "pytorch"},
+    {"fabric", "pytorch", "registration"},  # registration: imports the adapters when Lightning loads
     {"litgpt"},
     {"examples"},
     {"__init__", "__main__"},

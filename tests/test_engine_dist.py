@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 import torch
 from helpers import (
-    COMM_ONLY,
     PYTHON,
     child_env,
     gloo_mass_worker,
@@ -124,9 +123,8 @@ def test_gloo_collectives_in_slices_move_what_one_message_moves() -> None:
 # (SIGABRT, "terminate called without an active exception"; 21 of 30 such pairs of processes without the exit hook,
 # 0 of 30 with it), and without the wait rank 0 never holds rank 1's values. No timeout ends a wait: a rank that
 # waits for a collective its peer never launches (modes "fail" and "abandon") never gets past it.
-_EXIT_WITH_A_COLLECTIVE_IN_FLIGHT = (
-    COMM_ONLY
-    + """
+_EXIT_WITH_A_COLLECTIVE_IN_FLIGHT = """
+import sys
 import atexit, time
 from datetime import timedelta
 import torch, torch.distributed as dist
@@ -150,7 +148,6 @@ if mode == "fail":
 if mode == "abandon":  # what a strategy's teardown after a failure calls
     abandon_in_flight()
 """
-)
 # How long a test waits for a line that a process prints within seconds: only a process that hangs takes longer.
 HANG_S = 300
 
@@ -197,9 +194,8 @@ def test_a_failing_process_does_not_wait_at_exit(mode: str) -> None:
 
 
 # Rank 1 dies before it launches the all-gather rank 0 waits on, under a timeout of 10 minutes.
-_PEER_DIES = (
-    COMM_ONLY
-    + """
+_PEER_DIES = """
+import sys
 import os
 from datetime import timedelta
 import torch, torch.distributed as dist
@@ -215,7 +211,6 @@ except RuntimeError as exc:
     print(str(exc).splitlines()[0], flush=True)
     os._exit(0)
 """
-)
 
 
 def test_a_peer_that_dies_is_reported_with_the_time_waited_not_the_timeout() -> None:

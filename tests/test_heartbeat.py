@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch.distributed as dist
-from helpers import COMM_ONLY, run_script
+from helpers import run_script
 
 from lightning_scape.comm import stop_heartbeat
 from lightning_scape.comm.fault_naming import _Heartbeat
@@ -16,9 +16,8 @@ from lightning_scape.comm.fault_naming import _Heartbeat
 # Many heartbeats beating without pause and an exit at a random moment: without the stop at exit, a thread
 # still inside a store call while the interpreter finalizes aborts the process (SIGABRT, "terminate called
 # without an active exception"); measured in 26 of 30 such processes.
-_EXIT_WHILE_BEATING = (
-    COMM_ONLY
-    + """
+_EXIT_WHILE_BEATING = """
+import sys
 import random, time
 import torch.distributed as dist
 from lightning_scape.comm.fault_naming import _Heartbeat
@@ -28,7 +27,6 @@ for hb in beats:
     hb.interval_s = 0.0
 time.sleep(random.random() * 0.05)
 """
-)
 
 
 @pytest.mark.dist
