@@ -59,6 +59,24 @@ def test_param_groups_are_read_where_torch_2_11_and_2_13_keep_them() -> None:
         fsdp.fsdp_param_groups(SimpleNamespace())
 
 
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.13.2"])
+def test_the_torch_releases_the_binding_was_checked_against_are_accepted(version: str) -> None:
+    fsdp.require_checked_torch(version)
+
+
+@pytest.mark.parametrize(
+    "cls", [lightning_scape.ScapeFSDPStrategy, lightning_scape.pytorch.ScapeFSDPStrategy], ids=["fabric", "trainer"]
+)
+@pytest.mark.parametrize("version", ["2.10.0", "2.14.0", "3.0.0.dev20261101"])
+def test_another_torch_is_refused_before_anything_starts_naming_the_range(
+    cls: type, version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.raises(RuntimeError, match=rf"checked against on torch 2\.11 to 2\.13; this is torch {version}\. "
+                       r"Install a torch in that range \(pip install 'torch>=2\.11,<2\.14'\)"):  # fmt: skip
+        cls(shard_size=2)
+
+
 def test_load_raw_takes_a_single_file_and_no_optimizer_as_lightnings_model_parallel_strategy(tmp_path: Path) -> None:
     """Lightning's ``test_load_raw_checkpoint_validate_single_file`` and ``..._optimizer_unsupported`` for
     ``ModelParallelStrategy``, with the FSDP form (``fabric.load_raw`` calls ``load_checkpoint`` with the object)."""

@@ -91,6 +91,7 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
+        fsdp.require_checked_torch()
         self.scape_config = resolve_config(config, options)
         self.scape_run = RunSettings.of(timeout, resume_with_new_config)
         super().__init__(

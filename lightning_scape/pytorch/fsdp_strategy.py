@@ -79,6 +79,7 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
+        fsdp.require_checked_torch()
         self.scape_config = resolve_config(config, options)
         self.scape_run = RunSettings.of(timeout, resume_with_new_config)
         super().__init__(process_group_backend=process_group_backend, timeout=self.scape_run.process_group_timeout)

@@ -186,6 +186,34 @@ def sync_replicas(module: Module, replicate_group: Any, replicate_src: int) -> N
         dist.broadcast(b.data if not isinstance(b, DTensor) else b.to_local(), src=0)
 
 
+# The torch releases whose FSDP2 internals the binding below was run against (FSDPParam's padded shard, a unit's
+# parameter groups): 2.11 on the GPU machines, 2.13 in CI. 2.12 (not run) lies between the two, whose internals
+# the binding reads alike; outside the range they may have moved, and a binding that misread them would train wrongly.
+CHECKED_TORCH = ((2, 11), (2, 13))
+
+
+def require_checked_torch(version: str | None = None) -> None:
+    """Refuse a torch whose FSDP2 internals the FSDP form was not checked against (:data:`CHECKED_TORCH`).
+
+    Args:
+        version: A torch version string (default: the installed torch's).
+
+    Raises:
+        RuntimeError: The version lies outside the checked range; the message names the range.
+    """
+    version = version or torch.__version__
+    found = re.match(r"(\d+)\.(\d+)", version)
+    low, high = CHECKED_TORCH
+    if found is not None and low <= (int(found[1]), int(found[2])) <= high:
+        return
+    checked = f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
+    raise RuntimeError(
+        f"ScapeFSDPStrategy binds to FSDP2's internals, which it was checked against on torch {checked}; this is "
+        f"torch {version}. Install a torch in that range (pip install 'torch>={low[0]}.{low[1]},<{high[0]}."
+        f"{high[1] + 1}'), or use ScapeStrategy, which does not shard and has no such bound."
+    )
+
+
 def fsdp_params(module: Module) -> list[Any]:
     """FSDP's ``FSDPParam`` objects of every unit of ``module`` (torch 2.11 and 2.13 internals)."""
     from torch.distributed.fsdp import FSDPModule
