@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from lightning_scape import (
     AdamS,
     CommunicationMonitor,
+    DenseWarmupWarning,
     MaskMonitor,
     ScapeConfig,
     ScapeEngine,
@@ -509,7 +510,7 @@ def the_docs_fabric_example(outdir: str) -> None:
             with contextlib.redirect_stdout(printed):
                 namespace: dict[str, Any] = {"__name__": "__main__"}
                 exec(compile(code, "train_fsdp.py", "exec"), namespace)
-            namespace["fabric"].strategy._note_end_of_run()  # what its exit hook does
+            namespace["fabric"].strategy._end_of_run()  # what its exit hook does
     finally:
         os.chdir(here)
     out = {
@@ -599,23 +600,31 @@ def trainer_density_one(outdir: str) -> None:
     monitors = [CommunicationMonitor(log_every_n_steps=1)]
     logger = CSVLogger(outdir, name="dense_logs", version=0)
     strategy = TrainerFSDPStrategy(density=1.0, dense_warmup_steps=0, shard_size=S)
-    params = fit(
-        strategy,
-        RankBatches(3, accumulate=2),
-        max_steps=3,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.2,
-        callbacks=monitors,
-        logger=logger,
-        log_every_n_steps=1,
-    )
-    save_output(outdir, "trainer", rank(), {"params": params})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the children run with PYTHONWARNINGS=ignore
+        params = fit(
+            strategy,
+            RankBatches(3, accumulate=2),
+            max_steps=3,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.2,
+            callbacks=monitors,
+            logger=logger,
+            log_every_n_steps=1,
+        )
+    notices = [str(w.message) for w in caught if issubclass(w.category, DenseWarmupWarning)]
+    save_output(outdir, "trainer", rank(), {"params": params, "notices": notices})
 
 
 def test_trainer_accumulation_and_clipping_reproduce_data_parallel_adams(fsdp_trainer_runs: str) -> None:
     ref = reference_adams(3, accumulate=2, max_norm=0.2)
-    for out in load_outputs(fsdp_trainer_runs, "trainer", W):
+    outs = load_outputs(fsdp_trainer_runs, "trainer", W)
+    for out in outs:
         assert rel_err(out["params"], ref[-1]) < 1e-5, rel_err(out["params"], ref[-1])
+    # Every step sent dense (density 1): told once, by rank 0, before the first batch, as ScapeStrategy tells it.
+    (notice,) = outs[0]["notices"]
+    assert notice.startswith("lightning_scape: this run has 3 optimizer steps") and "density" in notice, notice
+    assert all(not out["notices"] for out in outs[1:])
     metrics = (Path(fsdp_trainer_runs) / "dense_logs" / "version_0" / "metrics.csv").read_text()
     assert "comm/sent_bytes/dense" in metrics
 

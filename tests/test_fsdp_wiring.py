@@ -77,6 +77,31 @@ def test_another_torch_is_refused_before_anything_starts_naming_the_range(
         cls(shard_size=2)
 
 
+@pytest.mark.parametrize("form", ["fabric", "trainer"])
+def test_a_failed_run_says_nothing_at_its_end_and_waits_on_nothing(form: str) -> None:
+    """As the DDP forms: a step that fails is remembered (Fabric: in the step; the Trainer: ``on_exception``), so
+    that teardown closes the engines without waiting on collectives a dead peer will never finish, and neither
+    the schedule's notice nor the summary is given for the failed run."""
+    from lightning.fabric.plugins import Precision
+
+    engine = Mock(step_count=3, wire=Mock(failed=False))
+    if form == "fabric":
+        strategy = lightning_scape.ScapeFSDPStrategy(shard_size=2)
+        strategy.precision = Precision()
+        optimizer = Mock(**{"step.side_effect": RuntimeError("a peer died")})
+        with pytest.raises(RuntimeError, match="a peer died"):
+            strategy.optimizer_step(optimizer)
+        strategy._scape_optimizers.append(Mock(engine=engine))
+    else:
+        strategy = lightning_scape.pytorch.ScapeFSDPStrategy(shard_size=2)
+        strategy.on_exception(RuntimeError("a peer died"))
+        strategy.optimizers = [Mock(spec=lightning_scape.ScapeOptimizer, engine=engine)]
+    assert strategy._failed
+    strategy._log_run_summary = Mock()  # type: ignore[method-assign]
+    strategy._end_of_run()
+    strategy._log_run_summary.assert_not_called()
+
+
 def test_load_raw_takes_a_single_file_and_no_optimizer_as_lightnings_model_parallel_strategy(tmp_path: Path) -> None:
     """Lightning's ``test_load_raw_checkpoint_validate_single_file`` and ``..._optimizer_unsupported`` for
     ``ModelParallelStrategy``, with the FSDP form (``fabric.load_raw`` calls ``load_checkpoint`` with the object)."""

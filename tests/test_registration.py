@@ -53,8 +53,10 @@ def test_the_algorithm_imports_without_lightning() -> None:
         "import lightning_scape\nimport lightning\n",
         "import lightning\nimport lightning_scape\n",
         "import lightning_scape.engine\nimport lightning.fabric\nimport lightning_scape\nimport lightning.pytorch\n",
+        # a module of the package that imports Lightning: Lightning loads while that module is half-loaded
+        "import lightning_scape.wiring.warmup_notice\n",
     ],
-    ids=["package-first", "lightning-first", "fabric-between"],
+    ids=["package-first", "lightning-first", "fabric-between", "from-inside-the-package"],
 )
 def test_the_strategy_names_are_registered_whichever_is_imported_first(imports: str) -> None:
     _, trainer_names, fabric_names, modules = _run(imports, "--registries")

@@ -19,25 +19,24 @@ from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.types import _PATH, _Stateful
+from lightning.fabric.utilities.types import _PATH, Optimizable, _Stateful
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.fabric.set_up_objects import SetUpObjects
-from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary, setup_checks
+from lightning_scape.wiring import engine_setup, fsdp, fsdp_checkpoint, rank_failures, registry, setup_checks
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
-from lightning_scape.wiring.warmup_notice import Syntax, WarmupNotice, call_at_exit
+from lightning_scape.wiring.run_notices import RunNotices
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrategy):
+class ScapeFSDPStrategy(SetUpObjects, RunNotices, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Fabric(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     The W processes form R = W / ``shard_size`` groups of ``shard_size`` consecutive ranks (one node each by
@@ -104,7 +103,7 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
         self._grid: fsdp.ShardGrid | None = None
         self._start_set_up_objects()
         self._bindings: list[fsdp.ShardBinding] = []
-        self._exit_hook_registered = False
+        self._failed = False
 
     @property
     def grid(self) -> fsdp.ShardGrid:
@@ -180,20 +179,24 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
             )
         self._scape_optimizers.append(scape)
         self._bindings.append(binding)
-        if not self._exit_hook_registered:  # Fabric does not tear its strategy down: the summary comes at exit
-            call_at_exit(self._note_end_of_run)
-            self._exit_hook_registered = True
+        self._check_schedule()
+        self._end_at_exit()  # Fabric does not know when a run ends: its notices come at teardown, or at exit
         return scape
 
-    def warn_if_all_dense(self, planned_steps: float | None, syntax: Syntax = "python") -> None:
-        """Warn once, on rank 0, if the run's ``planned_steps`` would all be sent dense (a ``DenseWarmupWarning``).
-
-        As :meth:`lightning_scape.ScapeStrategy.warn_if_all_dense`: for training loops that know their length.
-        """
-        replicas = self._grid.replicas if self._grid is not None else None  # SCAPE's ranks: the groups
-        WarmupNotice().before_run(self.scape_config, planned_steps, world_size=replicas, syntax=syntax)
+    @override
+    def _scape_ranks(self) -> int | None:
+        return self._grid.replicas if self._grid is not None else None  # SCAPE runs across the groups
 
     # ----------------------------------------------------------------------------------------- a step
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """The SCAPE step; a failure is remembered, so that teardown waits on no collective that cannot finish."""
+        try:
+            return super().optimizer_step(optimizer, **kwargs)
+        except BaseException:
+            self._failed = True
+            raise
 
     @override
     def clip_gradients_norm(
@@ -293,25 +296,20 @@ class ScapeFSDPStrategy(SetUpObjects, run_summary.RunSummary, ModelParallelStrat
 
     @override
     def teardown(self) -> None:
-        """Log the run's summary, remove the engines' and the bindings' hooks."""
-        self._note_end_of_run()
-        for opt in self._scape_optimizers:
-            opt.engine.close()
+        """Remove the engines' hooks (without waiting on collectives when a rank failed) and the bindings', stop the
+        heartbeat, log the run's summary."""
+        # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
+        engine_setup.close_engines(self._scape_optimizers, wait=not self._failed)
+        self._end_of_run()
         for binding in self._bindings:
             binding.detach()
-        stop_heartbeat()  # the replicate group's fault naming: a thread left running outlives the fit
         super().teardown()
-
-    def _note_end_of_run(self) -> None:
-        """Log the run's summary (once, rank 0), unless a collective failed; called at teardown and at exit."""
-        if not any(opt.engine.wire.failed for opt in self._scape_optimizers):
-            self._log_run_summary()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape_fsdp"`` (processes started like ``"fsdp"``)."""
-        registry.register_fsdp_strategy(cls, strategy_registry)
+        registry.register_strategies(cls, strategy_registry)
 
 
 def _split_state(

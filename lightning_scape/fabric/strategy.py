@@ -35,18 +35,17 @@ from lightning_scape.wiring import (
     loss_scaling,
     rank_failures,
     registry,
-    run_summary,
     setup_checks,
-    warmup_notice,
 )
 from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.wiring.run_notices import RunNotices
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
+class ScapeStrategy(SetUpObjects, RunNotices, DDPStrategy):
     """SCAPE sparse data parallelism for Fabric: ``Fabric(strategy=ScapeStrategy(density=0.01))``.
 
     Processes, devices and multi-node clusters (torchrun, SLURM, ``MASTER_ADDR``/``NODE_RANK``, ...) work as
@@ -122,10 +121,6 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
         self._start_set_up_objects()
         self._failed = False
         self._checkpoint_world_size: int | None = None
-        # Fabric does not know when a run ends: the warm-up notice comes at teardown, or when the process exits.
-        self._warmup_notice = warmup_notice.WarmupNotice()
-        self._exit_hook_registered = False
-        self._planned_steps: tuple[float | None, warmup_notice.Syntax] | None = None  # until an engine gives the layout
 
     @property
     def checkpoint_world_size(self) -> int | None:
@@ -168,9 +163,7 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
             scape = engine_setup.build_scape_optimizer(optimizer, self.scape_config, module, scaler, self.scape_run)
         self._scape_optimizers.append(scape)
         self._check_schedule()
-        if not self._exit_hook_registered:
-            warmup_notice.call_at_exit(self._note_end_of_run)
-            self._exit_hook_registered = True
+        self._end_at_exit()  # Fabric does not know when a run ends: its notices come at teardown, or at exit
         return scape
 
     # ----------------------------------------------------------------------------------------- a step
@@ -319,47 +312,12 @@ class ScapeStrategy(SetUpObjects, run_summary.RunSummary, DDPStrategy):
         run's summary."""
         # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
         engine_setup.close_engines(self._scape_optimizers, wait=not self._failed)
-        self._note_end_of_run()
+        self._end_of_run()
         super().teardown()
 
-    def warn_if_all_dense(self, planned_steps: float | None, syntax: warmup_notice.Syntax = "python") -> None:
-        """Warn once, on rank 0, if the run's steps would all be sent dense (a ``DenseWarmupWarning``), or would end
-        inside the density ramp or send more than a quarter of DDP's bytes (then with a schedule scaled to the run).
-
-        Fabric does not know how long a run will be, so without this call a run that never left its dense steps
-        is told at its end. A training loop that knows its length (``lightning-scape pretrain``) calls it before
-        the first step, while the schedule can still be changed; called before ``fabric.setup``, the bytes are
-        computed (and the warning given) once the optimizer is set up.
-
-        Args:
-            planned_steps: The optimizer steps the run will take; None or inf when not known (then nothing is
-                said now).
-            syntax: How the message writes the settings: ``"python"`` (``ScapeStrategy(...)``) or ``"cli"``
-                (``--scape.dense_warmup_steps N``, the ``pretrain`` command's flags).
-        """
-        self._planned_steps = (planned_steps, syntax)
-        self._check_schedule()
-
-    def _check_schedule(self) -> None:
-        """The notice of :meth:`warn_if_all_dense`, once an engine gives the layout (an all-dense run: at once)."""
-        if self._planned_steps is None:
-            return
-        planned, syntax = self._planned_steps
-        layout = [bs.layout for bs in self._scape_optimizers[-1].engine.buckets] if self._scape_optimizers else None
-        if layout is None and planned is not None and planned > self.scape_config.dense_steps:
-            return  # wait for the layout (setup_optimizer)
-        self._warmup_notice.before_run(self.scape_config, planned, layout, self.world_size, syntax)
-        self._planned_steps = None
-
-    def _note_end_of_run(self) -> None:
-        """Warn (once, rank 0) if the run ended inside its dense warm-up, and log the run's summary (once); called
-        at teardown and at exit."""
-        if self._failed or any(opt.engine.wire.failed for opt in self._scape_optimizers):
-            return
-        engines = [opt.engine for opt in self._scape_optimizers]
-        for engine in engines:
-            self._warmup_notice.after_run(engine, self.world_size)
-        self._log_run_summary()
+    @override
+    def _scape_ranks(self) -> int | None:
+        return self.world_size
 
     @classmethod
     @override

@@ -27,15 +27,16 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
-from lightning_scape.comm import stop_heartbeat
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring import fsdp, fsdp_checkpoint, rank_failures, registry, run_summary, setup_checks
+from lightning_scape.pytorch.strategy import planned_steps
+from lightning_scape.wiring import engine_setup, fsdp, fsdp_checkpoint, rank_failures, registry, setup_checks
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.wiring.run_notices import RunNotices
 
 
-class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
+class ScapeFSDPStrategy(RunNotices, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Trainer(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     Also ``Trainer(strategy="scape_fsdp")``. The W processes form R = W / ``shard_size`` groups of ``shard_size``
@@ -146,7 +147,7 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._summary_given = False  # each fit is summed up at its end
+            self._start_run_notices()  # a new fit may be told again (on_train_start), and is summed up at its end
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             self._redirect_clipping()
@@ -255,8 +256,19 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
     # -------------------------------------------------------------------------------------- lifecycle
 
     @override
+    def on_train_start(self) -> None:
+        """Warn (:meth:`warn_if_all_dense`) before the first training batch, as ``ScapeStrategy`` does."""
+        super().on_train_start()
+        assert self.lightning_module is not None
+        self.warn_if_all_dense(planned_steps(self.lightning_module.trainer))
+
+    @override
+    def _scape_ranks(self) -> int | None:
+        return self._grid.replicas if self._grid is not None else None  # SCAPE runs across the groups
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
-        """Remember a failure: a failed fit is not summed up."""
+        """Remember a failure: teardown then waits on no collective, and a failed fit is not summed up."""
         self._failed = True
         super().on_exception(exception)
 
@@ -264,23 +276,21 @@ class ScapeFSDPStrategy(run_summary.RunSummary, ModelParallelStrategy):
     def teardown(self) -> None:
         """Remove the engines' hooks (without waiting on collectives after a failure), log the fit's summary, remove
         the bindings' hooks and the clipping redirect."""
-        for opt in self.scape_optimizers:
-            opt.engine.close(wait=not self._failed)
-        if not self._failed:  # after closing: the wait for the last mask's all-gather belongs in the summary
-            self._log_run_summary()
+        # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
+        engine_setup.close_engines(self.scape_optimizers, wait=not self._failed)  # stops the heartbeat too
+        self._end_of_run()
         for binding in self._bindings:
             binding.detach()
         self._bindings.clear()
         if "clip_gradients" in vars(self.precision_plugin):
             del self.precision_plugin.clip_gradients
-        stop_heartbeat()  # the replicate group's fault naming: a thread left running outlives the fit
         super().teardown()
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape_fsdp"``."""
-        registry.register_fsdp_strategy(cls, strategy_registry)
+        registry.register_strategies(cls, strategy_registry)
 
 
 def _state_key(index: int) -> str:

@@ -38,15 +38,14 @@ from lightning_scape.wiring import (
     loss_scaling,
     rank_failures,
     registry,
-    run_summary,
     setup_checks,
-    warmup_notice,
 )
 from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.wiring.run_notices import RunNotices
 
 
-class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
+class ScapeStrategy(RunNotices, DDPStrategy):
     """SCAPE sparse data parallelism for the Trainer: ``Trainer(strategy=ScapeStrategy(density=0.01))``.
 
     Also ``Trainer(strategy="scape")`` with the default configuration. Processes, devices and multi-node
@@ -114,7 +113,6 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
         )
         self._failed = False
         self._pending_states: checkpoint_protocol.PendingStates | None = None  # read before set-up, loaded after
-        self._warmup_notice = warmup_notice.WarmupNotice()
         self._grad_norm_notice = local_grads.LocalGradNormNotice()
 
     @property
@@ -154,8 +152,7 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _redirect_clipping(self.precision_plugin)
-            self._warmup_notice = warmup_notice.WarmupNotice()  # a new fit may warn again (on_train_start)
-            self._summary_given = False  # and is summed up at its end
+            self._start_run_notices()  # a new fit may be told again (on_train_start), and is summed up at its end
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -186,23 +183,11 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
         """
         super().on_train_start()
         assert self.lightning_module is not None
-        self.warn_if_all_dense(_planned_steps(self.lightning_module.trainer))
+        self.warn_if_all_dense(planned_steps(self.lightning_module.trainer))
 
-    def warn_if_all_dense(self, planned_steps: float | None) -> None:
-        """Warn once, on rank 0, if the fit's steps would all be sent dense (a ``DenseWarmupWarning``).
-
-        Also when the fit would end inside the density ramp or send more than a quarter of DDP's bytes (computed
-        from the engine's layout): the warning then suggests a schedule scaled to the fit.
-        :meth:`on_train_start` calls it with ``trainer.estimated_stepping_batches``; when that is not known, a fit
-        that never left its dense steps is told at its end instead.
-
-        Args:
-            planned_steps: The optimizer steps the fit will take; None or inf when not known (then nothing is
-                said now).
-        """
-        opts = self.scape_optimizers
-        layout = [bs.layout for bs in opts[0].engine.buckets] if opts else None
-        self._warmup_notice.before_run(self.scape_config, planned_steps, layout, self.world_size)
+    @override
+    def _scape_ranks(self) -> int | None:
+        return self.world_size
 
     # ----------------------------------------------------------------------------------------- a step
 
@@ -377,10 +362,7 @@ class ScapeStrategy(run_summary.RunSummary, DDPStrategy):
         self._pending_states = None
         # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
         engine_setup.close_engines(self.scape_optimizers, wait=not self._failed)  # stops the heartbeat too
-        if not self._failed:
-            for opt in self.scape_optimizers:  # a fit whose length was not known at the start (early stopping, ...)
-                self._warmup_notice.after_run(opt.engine, self.world_size)
-            self._log_run_summary()
+        self._end_of_run()  # a fit whose length was not known at the start (early stopping, ...) is told now
         _restore_clipping(self.precision_plugin)
         super().teardown()
 
@@ -396,7 +378,7 @@ def _state_key(index: int) -> str:
     return f"optimizer_states.{index}"
 
 
-def _planned_steps(trainer: pl.Trainer) -> float | None:
+def planned_steps(trainer: pl.Trainer) -> float | None:
     """The optimizer steps the fit will take (``trainer.estimated_stepping_batches``), None if not known."""
     try:
         return float(trainer.estimated_stepping_batches)
