@@ -10,10 +10,12 @@ One module per concern, each used by both adapters (:mod:`lightning_scape.fabric
 * :mod:`~lightning_scape.wiring.warmup_notice`: :class:`DenseWarmupWarning`, a schedule that does not fit the run;
 * :mod:`~lightning_scape.wiring.run_traffic`: the bytes a whole run sends, SCAPE's and DDP's;
 * :mod:`~lightning_scape.wiring.run_summary`: what a run did, said at its end (bytes against DDP's, waiting, phases);
+* :mod:`~lightning_scape.wiring.run_notices`: the four strategies' notices and the end of their runs;
 * :mod:`~lightning_scape.wiring.setup_checks`: low-precision weights refused, a single process named;
 * :mod:`~lightning_scape.wiring.rank_failures`: a failure on any rank agreed on and reported once, by rank 0;
 * :mod:`~lightning_scape.wiring.checkpoint_protocol`: the checkpoint protocol (main file, per-rank SCAPE files);
-* :mod:`~lightning_scape.wiring.registry`: the names ``"scape"``, ``"scape_spawn"`` and ``"scape_fsdp"``;
+* :mod:`~lightning_scape.wiring.registry`: the names ``"scape"``, ``"scape_spawn"`` and ``"scape_fsdp"``, and what each
+  builds;
 * :mod:`~lightning_scape.wiring.fsdp`: ``ScapeFSDPStrategy``'s grid, FSDP2 sharding and the engine on each shard;
 * :mod:`~lightning_scape.wiring.fsdp_checkpoint`: its checkpoint folders (one file per rank and ``meta.pt``).
 """
