@@ -6,6 +6,8 @@
 * :mod:`~lightning_scape.comm.fault_naming`: :class:`FaultNamingCommunicator` (failures name the rank that
   stopped answering, from a heartbeat thread that :func:`stop_heartbeat` ends) and the timeout arithmetic of
   the Lightning strategies;
+* :mod:`~lightning_scape.comm.exit_report`: a failure printed in full once per node, the node's other processes
+  ending with one line;
 * :mod:`~lightning_scape.comm.thread_group`: W simulated ranks in one process;
 * :mod:`~lightning_scape.comm.counters`: :class:`ByteCounters`, bytes sent per :data:`Traffic` kind;
 * :mod:`~lightning_scape.comm.int8_packets`: the int8 wire format (``ScapeConfig.wire_format``): packets of

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_scape.comm.base import Communicator, Pending, SoloCommunicator
+from lightning_scape.comm.exit_report import report_on_local_rank_zero
 from lightning_scape.comm.process_group import ProcessGroupCommunicator
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,9 @@ class _NamedPending:
         except RuntimeError as exc:
             if self._heartbeat is None:
                 raise
-            raise RuntimeError(f"{exc}\nSCAPE diagnosis: {self._heartbeat.diagnose(self._seq)}") from exc
+            error = RuntimeError(f"{exc}\nSCAPE diagnosis: {self._heartbeat.diagnose(self._seq)}")
+            report_on_local_rank_zero(error)
+            raise error from None  # the collective's own error is the message's first line
 
 
 class FaultNamingCommunicator:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_scape.comm.base import Pending
+from lightning_scape.comm.exit_report import report_on_local_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +47,12 @@ class _TorchWork:
         except RuntimeError as exc:
             IN_FLIGHT.failed = True
             ended = _how_it_ended(time.monotonic() - start, self._timeout_s)
-            raise RuntimeError(
+            error = RuntimeError(
                 f"SCAPE collective {self._name} on {self._group_desc} {ended}: another rank probably died or "
                 f"stopped calling the same collectives. Underlying error: {exc}"
-            ) from exc
+            )
+            report_on_local_rank_zero(error)
+            raise error from None  # the underlying error is in the message: one traceback, not three
         finally:
             IN_FLIGHT.discard(self)
         self._works = []

@@ -10,15 +10,12 @@ process: their exit status still says that they failed.
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from types import TracebackType
 
 import torch.distributed as dist
 
-_REPORTED_ELSEWHERE = "_lightning_scape_reported_by_rank_0"
-_hook_installed = False
+from lightning_scape.comm.exit_report import quiet_on_this_rank
 
 
 def agree(error: BaseException | None, what: str) -> None:
@@ -64,32 +61,6 @@ def agreed(what: str) -> Iterator[None]:
     except Exception as exc:  # handed to agree, which raises it again (on rank 0, printed)
         error = exc
     agree(error, what)
-
-
-def quiet_on_this_rank(error: BaseException) -> None:
-    """Print nothing if ``error`` ends this process: rank 0 reports it (the exit status is still 1)."""
-    global _hook_installed
-    setattr(error, _REPORTED_ELSEWHERE, True)
-    if not _hook_installed:
-        sys.excepthook = _quiet_hook(sys.excepthook)
-        _hook_installed = True
-
-
-def is_reported_elsewhere(error: BaseException) -> bool:
-    """Whether ``error`` is one that rank 0 reports (:func:`quiet_on_this_rank`)."""
-    return bool(getattr(error, _REPORTED_ELSEWHERE, False))
-
-
-ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
-
-
-def _quiet_hook(previous: ExceptHook) -> ExceptHook:
-    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> object:
-        if is_reported_elsewhere(error):
-            return None
-        return previous(kind, error, tb)
-
-    return hook
 
 
 def _ranks(ranks: list[int]) -> str:
