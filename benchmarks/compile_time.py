@@ -51,7 +51,7 @@ from benchmarks.cpu_fallback import cpu_fallback
 
 # A launch's key: per kernel argument (type, specialization), then the launch options, sorted.
 Key = tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, Any], ...]]
-METHODS = ("scape_fp32_d0.01", "scape_int8_d0.025")  # the SCAPE methods of benchmarks.scale
+METHODS = ("scape_fp32_d0.01", "scape_int8_d0.025", "scape_auto_100mbit")  # the SCAPE methods of benchmarks.scale
 DEFAULT_METHODS = "scape_fp32_d0.01"  # the former fixed default form; both within the 2 minutes are not sure to fit
 STEP_NUMEL = 100_000_000  # the sparse step's N on CUDA
 TINY_STEP_NUMEL = 1 << 16

@@ -41,7 +41,18 @@ def test_tiny_run_trains_every_method_from_the_same_start_and_writes_the_report(
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRITON_", "LIGHTNING_SCAPE_"))}
     out = tmp_path / "scale"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scale", "--tiny", "--out", str(out), "--cache-dir", str(tmp_path / "cache")],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.scale",
+            "--tiny",
+            "--methods",
+            ",".join(METHODS),
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,
