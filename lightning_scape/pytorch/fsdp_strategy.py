@@ -28,15 +28,15 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_scape.config import ScapeConfig, ScapeOptions
-from lightning_scape.engine import ScapeEngine
+from lightning_scape.pytorch.fit_objects import FitObjects
 from lightning_scape.pytorch.strategy import planned_steps
 from lightning_scape.wiring import engine_setup, fsdp, fsdp_checkpoint, rank_failures, registry, setup_checks
-from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
+from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
 from lightning_scape.wiring.run_notices import RunNotices
 
 
-class ScapeFSDPStrategy(RunNotices, ModelParallelStrategy):
+class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Trainer(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     Also ``Trainer(strategy="scape_fsdp")``. The W processes form R = W / ``shard_size`` groups of ``shard_size``
@@ -96,19 +96,6 @@ class ScapeFSDPStrategy(RunNotices, ModelParallelStrategy):
         if self._grid is None:
             raise RuntimeError("The shard grid is known once the Trainer has set up the processes.")
         return self._grid
-
-    @property
-    def scape_optimizers(self) -> list[ScapeOptimizer]:
-        """The SCAPE optimizers of the current fit (normally one)."""
-        return list(scape_optimizers(self.optimizers))
-
-    @property
-    def engine(self) -> ScapeEngine:
-        """The :class:`~lightning_scape.ScapeEngine` of the current fit (this rank's shard)."""
-        opts = self.scape_optimizers
-        if not opts:
-            raise RuntimeError("ScapeFSDPStrategy has no engine outside trainer.fit (after the optimizers are set up).")
-        return opts[0].engine
 
     @property
     @override

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_scape.config import ScapeConfig, ScapeOptions
-from lightning_scape.engine import ScapeEngine
+from lightning_scape.pytorch.fit_objects import FitObjects
 from lightning_scape.wiring import (
     checkpoint_protocol,
     engine_setup,
@@ -40,12 +40,12 @@ from lightning_scape.wiring import (
     registry,
     setup_checks,
 )
-from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
+from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
 from lightning_scape.wiring.run_notices import RunNotices
 
 
-class ScapeStrategy(RunNotices, DDPStrategy):
+class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
     """SCAPE sparse data parallelism for the Trainer: ``Trainer(strategy=ScapeStrategy(density=0.01))``.
 
     Also ``Trainer(strategy="scape")`` with the default configuration. Processes, devices and multi-node
@@ -114,19 +114,6 @@ class ScapeStrategy(RunNotices, DDPStrategy):
         self._failed = False
         self._pending_states: checkpoint_protocol.PendingStates | None = None  # read before set-up, loaded after
         self._grad_norm_notice = local_grads.LocalGradNormNotice()
-
-    @property
-    def scape_optimizers(self) -> list[ScapeOptimizer]:
-        """The SCAPE optimizers of the current fit (normally one)."""
-        return list(scape_optimizers(self.optimizers))
-
-    @property
-    def engine(self) -> ScapeEngine:
-        """The :class:`~lightning_scape.ScapeEngine` of the current fit."""
-        opts = self.scape_optimizers
-        if not opts:
-            raise RuntimeError("ScapeStrategy has no engine outside trainer.fit (after the optimizers are set up).")
-        return opts[0].engine
 
     # ------------------------------------------------------------------------------------------ set-up
 
