@@ -32,10 +32,10 @@ MAX_FUNCTION_LINES = 120
 
 
 def _sources() -> list[tuple[str, Path]]:
-    """(the part of the package a file belongs to, the file), kernels/ included (lightning_scape.kernels)."""
-    out = [("kernels", p) for p in sorted((REPO / "kernels").glob("*.py"))]
+    """(the part of the package a file belongs to, the file), each file once (the top-level kernels/ is a link)."""
+    out = []
     root = REPO / "lightning_scape"
-    for p in sorted(root.rglob("*.py")):  # rglob does not enter the kernels link
+    for p in sorted(root.rglob("*.py")):
         rel = p.relative_to(root)
         out.append((rel.parts[0] if len(rel.parts) > 1 else rel.stem, p))
     return out
