@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_scape.adams import state_dtype_for
+from lightning_scape.comm.int8_packets import PacketCache
 from lightning_scape.config import ScapeConfig, int8_dense_group
 from lightning_scape.engine.layout import Bucket
 
@@ -44,6 +45,8 @@ class BucketState:
             corrections count the bucket's steps from it, as Adam counts each parameter's.
         dense_replica: A sharded bucket in DDP's dense form (:meth:`replicate`): replicated until
             :meth:`unreplicate`.
+        values_packets: The int8 wire's sparse reduce-scatter: its buffers, reused from step to step.
+        params_packets: The int8 wire's sparse all-gather of changes: its buffers, reused from step to step.
     """
 
     def __init__(self, layout: Bucket, config: ScapeConfig, rank: int) -> None:
@@ -75,6 +78,8 @@ class BucketState:
         # an fp32 dense step then sends it with its gradient (StepInFlight), so that no mass is lost.
         self.residual_live = False
         self.dense_int8_group = int8_dense_group(layout.shard_numel)  # int8 wire: coordinates per scale
+        self.values_packets = PacketCache()
+        self.params_packets = PacketCache()
 
     def replicate(self, momentum: Tensor) -> None:
         """Take DDP's dense form: ``momentum`` is the whole bucket's (every owner's shard, all-gathered), and the

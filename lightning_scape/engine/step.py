@@ -205,7 +205,7 @@ class StepInFlight:
         else:
             feedback.compact(bs, mask)
         if self.config.wire_format == "int8":
-            pending = self.wire.reduce_scatter_int8("values", bs.sparse_synced(), bs.values, bs.k)
+            pending = self.wire.reduce_scatter_int8("values", bs.sparse_synced(), bs.values, bs.k, bs.values_packets)
             if not self.skip_nonfinite:  # else feedback.commit takes the rounding error back
                 feedback.keep_rounding_error(bs, mask)
             return pending

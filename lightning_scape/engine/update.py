@@ -142,7 +142,7 @@ def _launch_change_gather_int8(bucket: BucketState, mask: Tensor, decay: float, 
     bucket.gathered.copy_(decayed)
     region = slice(bucket.region.start // C * bucket.k, bucket.region.stop // C * bucket.k)
     change = bucket.updated.sub_(decayed[region])
-    return wire.all_gather_int8("params", bucket.gathered, change, bucket.k)
+    return wire.all_gather_int8("params", bucket.gathered, change, bucket.k, bucket.params_packets)
 
 
 def apply_sparse(bucket: BucketState, mask: Tensor, decay: float) -> None:
