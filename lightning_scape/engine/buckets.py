@@ -80,6 +80,11 @@ class BucketState:
         self.dense_int8_group = int8_dense_group(layout.shard_numel)  # int8 wire: coordinates per scale
         self.values_packets = PacketCache()
         self.params_packets = PacketCache()
+        # mask_positions: the last mask asked for, its version and its positions; their buffer (for the largest k
+        # of the run) and each chunk's first position ([chunks, 1]), allocated at the first call.
+        self._positions: tuple[Tensor, int, Tensor] | None = None
+        self._slot_cap = cap
+        self._position_buffers: tuple[Tensor, Tensor] | None = None
 
     def replicate(self, momentum: Tensor) -> None:
         """Take DDP's dense form: ``momentum`` is the whole bucket's (every owner's shard, all-gathered), and the
@@ -180,6 +185,30 @@ class BucketState:
         """The rows of a whole-bucket mask that address the region's chunks."""
         C = self.layout.chunk_size
         return mask[self.region.start // C : self.region.stop // C]
+
+    def mask_positions(self, mask: Tensor) -> Tensor:
+        """:func:`~lightning_scape.kernels.mask_positions` of a whole-bucket mask, computed once per mask.
+
+        A step reads its mask's positions more than once (the int8 wire: where the residual takes the rounding
+        error back, where the change is taken from), so the last mask's are kept and returned again while it is
+        the same tensor, unchanged (its version). One operation computes them, into a buffer kept for the largest
+        k: a caller reads them before it asks for another mask's, which overwrite them.
+        """
+        kept = self._positions
+        if kept is not None and kept[0] is mask and kept[1] == mask._version:
+            return kept[2]
+        rows, k = mask.shape
+        buffers = self._position_buffers
+        if buffers is None or buffers[0].numel() < rows * k:
+            starts = torch.arange(rows, dtype=torch.int64, device=mask.device).mul_(self.layout.chunk_size)
+            buffer = torch.empty(rows * max(k, self._slot_cap), dtype=torch.int64, device=mask.device)
+            buffers = self._position_buffers = (buffer, starts.unsqueeze(1))
+        buffer, starts = buffers
+        positions = buffer[: rows * k]
+        # i * chunk_size + mask[i, j], the int16 index widened exactly: what kernels.mask_positions computes.
+        torch.add(mask, starts, out=positions.view(rows, k))
+        self._positions = (mask, mask._version, positions)
+        return positions
 
     def dense_synced(self) -> Tensor:
         """Where a dense step's summed gradient lands: the reduce-scatter output (sharded), else the residual's
