@@ -243,3 +243,9 @@ class BucketState:
         """The new values every rank writes at the mask: all owners' (sharded), else this rank's own."""
         gathered = self.gathered
         return gathered if gathered is not None else self.updated
+
+
+def zero_grads(buckets: list[BucketState]) -> None:
+    """Zero every bucket's gradient buffer: one multi-tensor fill (a few launches on CUDA), not a launch per bucket."""
+    if buckets:
+        torch._foreach_zero_([bs.grads for bs in buckets])

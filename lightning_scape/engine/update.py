@@ -58,9 +58,12 @@ def for_bucket(hypers: list[AdamSHyper], bucket: BucketState) -> AdamSHyper:
 
 def clip_(synced: list[Tensor], coef: Tensor | None, clip_value: float | None) -> None:
     """Scale the synced gradients by the global-norm coefficient, then clamp them to ``[-clip_value, clip_value]``."""
+    cast: dict[torch.dtype, Tensor] = {}  # the coefficient in each gradient dtype, cast once for every bucket
     for g in synced:
         if coef is not None:
-            g.mul_(coef.to(g.dtype))
+            if g.dtype not in cast:
+                cast[g.dtype] = coef.to(g.dtype)
+            g.mul_(cast[g.dtype])
         if clip_value is not None:
             g.clamp_(-clip_value, clip_value)
 
