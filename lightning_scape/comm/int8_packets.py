@@ -81,8 +81,11 @@ class Packets:
         if nbytes > 4 * (n // group) + n:
             self.sent[:, 4 * (n // group) + n :].zero_()
         self.received = torch.empty(world_size, nbytes, dtype=torch.uint8, device=device)
+        # The views are taken once: each is a dispatch on the host, at every use otherwise.
         self._scales, self._codes = packet_views(self.sent, n, group)
+        self._received = packet_views(self.received, n, group)
         self._in_place = slices <= _IN_PLACE_SLICES and _rows_aligned(self._scales, self._codes)
+        self._rows = list(zip(self._codes, self._scales, strict=True)) if self._in_place else []
         self._scratch: tuple[Tensor, Tensor] | None = None
         self._decoded: Tensor | None = None
 
@@ -90,7 +93,7 @@ class Packets:
         """Round ``values`` (``[slices * n]``, replaced by their rounding error) into :attr:`sent`."""
         rows = values.view(self.sent.shape[0], self.numel)
         if self._in_place and _rows_aligned(rows):
-            for row, codes, scales in zip(rows, self._codes, self._scales, strict=True):
+            for row, (codes, scales) in zip(rows, self._rows, strict=True):
                 kernels.round_int8(row, self.group, codes, scales)
             return
         codes, scales = self._scratch or (
@@ -105,7 +108,7 @@ class Packets:
 
     def decode(self) -> Tensor:
         """``[world_size, n]`` fp32: the values each received packet carries (read in place from the packets)."""
-        scales, codes = packet_views(self.received, self.numel, self.group)
+        scales, codes = self._received
         out = self._decoded
         if out is None:
             out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
