@@ -11,7 +11,7 @@
 * :mod:`~lightning_scape.comm.thread_group`: W simulated ranks in one process;
 * :mod:`~lightning_scape.comm.counters`: :class:`ByteCounters`, bytes sent per :data:`Traffic` kind;
 * :mod:`~lightning_scape.comm.int8_packets`: the int8 wire format (``ScapeConfig.wire_format``): packets of
-  scales and codes, and their decoding;
+  scales and codes, their decoding, and the buffers a recurring collective reuses;
 * :mod:`~lightning_scape.comm.wire`: :class:`Wire`, through which the engine launches and counts every collective.
 """
 

@@ -5,6 +5,11 @@ padded to a multiple of 4 bytes (so that every packet's scales start aligned): `
 values are rounded by :func:`lightning_scape.kernels.round_int8`, which leaves each value's rounding error in
 the sender's buffer; a receiver decodes ``q * s`` (:func:`~lightning_scape.kernels.decode_int8`), bit for bit
 what every other receiver of the packet decodes.
+
+A collective's buffers are a :class:`Packets`. A sparse step's collectives keep their shapes from step to step
+(until the density ramp changes k), so each bucket keeps theirs in a :class:`PacketCache` and reuses them: the
+step then allocates nothing for its packets and launches only the rounding, the decoding and the sums (the host
+launching many small operations is what an int8 step's time goes to, ``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -21,41 +26,137 @@ from lightning_scape.comm.base import Pending
 # or add each to its slice of the output (a gather of updates to values every rank already holds).
 Decode = Literal["sum", "add"]
 
+# The rounding kernel is compiled for 16-byte aligned tensors (as fresh buffers are): packets whose codes or values
+# do not start aligned are written through scratch, so that no variant without aligned accesses is compiled.
+_ALIGN = 16
+# Packets are written in place, one launch each, where that takes no more launches than rounding them all into
+# scratch at once and copying its scales and codes into the packets (three).
+_IN_PLACE_SLICES = 3
+
 
 def packet_bytes(numel: int, group: int) -> int:
     """Bytes of one packet: ``numel / group`` fp32 scales and ``numel`` int8 codes, padded to 4."""
     return 4 * (numel // group) + -(-numel // 4) * 4
 
 
-def encode(values: Tensor, group: int, slices: int) -> Tensor:
-    """``values`` cut into ``slices`` equal slices, each rounded into one packet.
+def _rows_aligned(*tensors: Tensor) -> bool:
+    """Whether every row of these 2-D tensors starts at a multiple of 16 bytes."""
+    return all(
+        t.data_ptr() % _ALIGN == 0 and (t.shape[0] == 1 or t.stride(0) * t.element_size() % _ALIGN == 0)
+        for t in tensors
+    )
+
+
+def packet_views(packets: Tensor, numel: int, group: int) -> tuple[Tensor, Tensor]:
+    """The scales ``[rows, numel / group]`` (fp32) and codes ``[rows, numel]`` (int8) of ``[rows, bytes]`` packets,
+    as views into them (a packet's length is a multiple of 4, so every row's scales read as fp32 in place)."""
+    m = numel // group
+    return packets[:, : 4 * m].view(torch.float32), packets[:, 4 * m : 4 * m + numel].view(torch.int8)
+
+
+class Packets:
+    """The buffers of one int8 collective of ``slices`` packets sent and ``world_size`` received.
 
     Args:
-        values: ``[slices * n]`` fp32 values, ``n`` a multiple of ``group``; replaced by their rounding error.
+        numel: Values sent, ``slices * n`` with ``n`` a multiple of ``group``.
         group: Values per scale.
-        slices: Packets to make (W for an all-to-all, 1 for an all-gather).
+        slices: Packets sent (W for an all-to-all, 1 for an all-gather).
+        world_size: Packets received.
+        device: Where the buffers live.
+        keep: Keep the scratch and the decoded values for the next use (a :class:`PacketCache`'s); else they are
+            allocated when needed and dropped after, as a one-off collective's temporaries.
 
-    Returns:
-        ``[slices, packet_bytes(n, group)]`` uint8 packets.
+    Attributes:
+        sent: ``[slices, packet_bytes(n, group)]`` uint8 packets sent; their padding is zero (written once: the
+            rounding writes only the scales and codes).
+        received: ``[world_size, packet_bytes(n, group)]`` uint8 packets received.
     """
-    n = values.numel() // slices
-    m = n // group
-    codes = torch.empty(values.numel(), dtype=torch.int8, device=values.device)
-    scales = torch.empty(slices * m, dtype=torch.float32, device=values.device)
-    kernels.round_int8(values, group, codes, scales)
-    packets = torch.empty(slices, packet_bytes(n, group), dtype=torch.uint8, device=values.device)
-    packets[:, : 4 * m].copy_(scales.view(slices, m).view(torch.uint8))
-    packets[:, 4 * m : 4 * m + n].copy_(codes.view(slices, n).view(torch.uint8))
-    packets[:, 4 * m + n :].zero_()  # only the padding: the rest was just written
-    return packets
+
+    def __init__(self, numel: int, group: int, slices: int, world_size: int, device: torch.device, keep: bool) -> None:
+        n = numel // slices
+        self.key = (numel, group, slices, world_size, device)
+        self.numel, self.group, self.keep = n, group, keep  # numel and group of one packet
+        nbytes = packet_bytes(n, group)
+        self.sent = torch.empty(slices, nbytes, dtype=torch.uint8, device=device)
+        if nbytes > 4 * (n // group) + n:
+            self.sent[:, 4 * (n // group) + n :].zero_()
+        self.received = torch.empty(world_size, nbytes, dtype=torch.uint8, device=device)
+        # The views are taken once: each is a dispatch on the host, at every use otherwise.
+        self._scales, self._codes = packet_views(self.sent, n, group)
+        self._received = packet_views(self.received, n, group)
+        self._in_place = slices <= _IN_PLACE_SLICES and _rows_aligned(self._scales, self._codes)
+        self._rows = list(zip(self._codes, self._scales, strict=True)) if self._in_place else []
+        self._scratch: tuple[Tensor, Tensor] | None = None
+        self._decoded: Tensor | None = None
+
+    def encode(self, values: Tensor) -> None:
+        """Round ``values`` (``[slices * n]``, replaced by their rounding error) into :attr:`sent`."""
+        rows = values.view(self.sent.shape[0], self.numel)
+        if self._in_place and _rows_aligned(rows):
+            for row, (codes, scales) in zip(rows, self._rows, strict=True):
+                kernels.round_int8(row, self.group, codes, scales)
+            return
+        codes, scales = self._scratch or (
+            torch.empty(self._codes.shape, dtype=torch.int8, device=values.device),
+            torch.empty(self._scales.shape, dtype=torch.float32, device=values.device),
+        )
+        if self.keep:
+            self._scratch = (codes, scales)
+        kernels.round_int8(values, self.group, codes.view(-1), scales.view(-1))
+        self._scales.copy_(scales)
+        self._codes.copy_(codes)
+
+    def decode(self) -> Tensor:
+        """``[world_size, n]`` fp32: the values each received packet carries (read in place from the packets)."""
+        scales, codes = self._received
+        out = self._decoded
+        if out is None:
+            out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+            self._decoded = out if self.keep else None
+        return kernels.decode_int8(codes, scales, out)
 
 
-def decode(packets: Tensor, numel: int, group: int) -> Tensor:
-    """``[W, numel]`` fp32: the values each of the W received packets carries."""
-    m = numel // group
-    scales = packets[:, : 4 * m].contiguous().view(torch.float32)
-    codes = packets[:, 4 * m : 4 * m + numel].contiguous().view(torch.int8)
-    return kernels.decode_int8(codes.reshape(-1), scales.reshape(-1)).view(packets.shape[0], numel)
+class PacketCache:
+    """The :class:`Packets` of one recurring collective (a bucket's sparse reduce-scatter, say), reused while the
+    shape holds.
+
+    Reuse is safe because a collective is waited for before the same one is launched again: the engine waits for
+    every collective of a step (and of a round, :meth:`~lightning_scape.engine.step.StepInFlight.reopen`) before
+    it launches the next.
+    """
+
+    def __init__(self) -> None:
+        self._packets: Packets | None = None
+
+    def get(self, numel: int, group: int, slices: int, world_size: int, device: torch.device) -> Packets:
+        """The buffers for this shape: the last ones if it is theirs, else new ones (the density ramp changed k)."""
+        packets = self._packets
+        if packets is None or packets.key != (numel, group, slices, world_size, device):
+            packets = self._packets = Packets(numel, group, slices, world_size, device, keep=True)
+        return packets
+
+
+def packets_for(
+    cache: PacketCache | None, numel: int, group: int, slices: int, world_size: int, device: torch.device
+) -> Packets:
+    """The cache's buffers for this shape, or one-off ones where there is no cache."""
+    if cache is None:
+        return Packets(numel, group, slices, world_size, device, keep=False)
+    return cache.get(numel, group, slices, world_size, device)
+
+
+def sum_rows(output: Tensor, parts: Tensor) -> None:
+    """``output`` = the sum of the rows of ``parts``, added in rank order (so every rank sums alike)."""
+    if output.dtype == parts.dtype and len(parts) > 1:
+        # The first two rows in one operation: what copying the first and adding the second computes. An output of
+        # another dtype copies the first, so that every addition is in its dtype.
+        torch.add(parts[0], parts[1], out=output)
+        summed = 2
+    else:
+        output.copy_(parts[0])
+        summed = 1
+    for part in parts[summed:]:
+        output.add_(part)
 
 
 class DecodeOnWait:
@@ -63,30 +164,25 @@ class DecodeOnWait:
 
     Args:
         inner: The collective.
-        received: ``[W, packet_bytes]`` the packets it receives.
-        sent: The packets it sends, kept alive until the collective completes.
+        packets: Its buffers: it sends ``packets.sent`` (kept alive until it completes) and receives
+            ``packets.received``.
         output: ``"sum"``: ``[n]``, the sum of the W slices in rank order; ``"add"``: ``[W * n]``, each slice
             added to its part.
-        group: Values per scale.
         how: ``"sum"`` or ``"add"``.
     """
 
-    def __init__(self, inner: Pending, received: Tensor, sent: Tensor, output: Tensor, group: int, how: Decode) -> None:
+    def __init__(self, inner: Pending, packets: Packets, output: Tensor, how: Decode) -> None:
         self._inner: Pending | None = inner
-        self._received, self._sent = received, sent
-        self._output, self._group, self._how = output, group, how
+        self._packets = packets
+        self._output, self._how = output, how
 
     def wait(self) -> None:
         if self._inner is None:
             return
         self._inner.wait()
         self._inner = None
-        w = self._received.shape[0]
-        n = self._output.numel() // (1 if self._how == "sum" else w)
-        parts = decode(self._received, n, self._group)
+        parts = self._packets.decode()
         if self._how == "add":
-            self._output.view(w, n).add_(parts)
-            return
-        self._output.copy_(parts[0])
-        for part in parts[1:]:
-            self._output.add_(part)
+            self._output.view(parts.shape).add_(parts)
+        else:
+            sum_rows(self._output, parts)

@@ -12,12 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
 from lightning_scape.comm.base import Communicator, Pending
 from lightning_scape.comm.counters import ByteCounters, Traffic
-from lightning_scape.comm.int8_packets import DecodeOnWait, encode
+from lightning_scape.comm.int8_packets import DecodeOnWait, PacketCache, packets_for
 
 
 def all_reduce_bytes(numel: int, itemsize: int, world_size: int) -> int:
@@ -71,23 +70,34 @@ class Wire:
         self.counters.add(kind, all_gather_bytes(input.numel(), input.element_size(), self.world_size))
         return self._launch(lambda: self.comm.all_gather(output, input))
 
-    def reduce_scatter_int8(self, kind: Traffic, output: Tensor, input: Tensor, group: int) -> Pending:
+    def reduce_scatter_int8(
+        self, kind: Traffic, output: Tensor, input: Tensor, group: int, cache: PacketCache | None = None
+    ) -> Pending:
         """:meth:`reduce_scatter_sum` of ``input`` rounded to int8 (``comm/int8_packets.py``), as an all-to-all of
-        packets; ``input`` keeps this rank's rounding error. Sends ``(W-1)/W`` of the packets."""
-        sent = encode(input, group, self.world_size)
-        received = torch.empty_like(sent)
+        packets; ``input`` keeps this rank's rounding error. Sends ``(W-1)/W`` of the packets.
+
+        ``cache``: where this collective's buffers are kept from one launch to the next (a recurring one's);
+        None allocates them for this launch only.
+        """
+        packets = packets_for(cache, input.numel(), group, self.world_size, self.world_size, input.device)
+        packets.encode(input)
+        sent, received = packets.sent, packets.received
         self.counters.add(kind, reduce_scatter_bytes(sent.numel(), 1, self.world_size))
         pending = self._launch(lambda: self.comm.all_to_all(received.view(-1), sent.view(-1)))
-        return DecodeOnWait(pending, received, sent, output, group, "sum")
+        return DecodeOnWait(pending, packets, output, "sum")
 
-    def all_gather_int8(self, kind: Traffic, output: Tensor, input: Tensor, group: int) -> Pending:
+    def all_gather_int8(
+        self, kind: Traffic, output: Tensor, input: Tensor, group: int, cache: PacketCache | None = None
+    ) -> Pending:
         """Every rank's ``input`` rounded to int8, added to its slice of ``output``; ``input`` keeps this rank's
-        rounding error. Sends the packet to each of the ``W - 1`` others."""
-        sent = encode(input, group, 1)
-        received = sent.new_empty((self.world_size, sent.shape[1]))
+        rounding error. Sends the packet to each of the ``W - 1`` others. ``cache``: as in
+        :meth:`reduce_scatter_int8`."""
+        packets = packets_for(cache, input.numel(), group, 1, self.world_size, input.device)
+        packets.encode(input)
+        sent, received = packets.sent, packets.received
         self.counters.add(kind, all_gather_bytes(sent.numel(), 1, self.world_size))
         pending = self._launch(lambda: self.comm.all_gather(received.view(-1), sent.view(-1)))
-        return DecodeOnWait(pending, received, sent, output, group, "add")
+        return DecodeOnWait(pending, packets, output, "add")
 
     def count_dense_equivalent(self, numel: int, itemsize: int) -> None:
         """Count what DDP's all-reduce of ``numel`` gradient elements would send (nothing is launched)."""

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_scape.adams import state_dtype_for
+from lightning_scape.comm.int8_packets import PacketCache
 from lightning_scape.config import ScapeConfig, int8_dense_group
 from lightning_scape.engine.layout import Bucket
 
@@ -44,6 +45,8 @@ class BucketState:
             corrections count the bucket's steps from it, as Adam counts each parameter's.
         dense_replica: A sharded bucket in DDP's dense form (:meth:`replicate`): replicated until
             :meth:`unreplicate`.
+        values_packets: The int8 wire's sparse reduce-scatter: its buffers, reused from step to step.
+        params_packets: The int8 wire's sparse all-gather of changes: its buffers, reused from step to step.
     """
 
     def __init__(self, layout: Bucket, config: ScapeConfig, rank: int) -> None:
@@ -75,6 +78,13 @@ class BucketState:
         # an fp32 dense step then sends it with its gradient (StepInFlight), so that no mass is lost.
         self.residual_live = False
         self.dense_int8_group = int8_dense_group(layout.shard_numel)  # int8 wire: coordinates per scale
+        self.values_packets = PacketCache()
+        self.params_packets = PacketCache()
+        # mask_positions: the last mask asked for, its version and its positions; their buffer (for the largest k
+        # of the run) and each chunk's first position ([chunks, 1]), allocated at the first call.
+        self._positions: tuple[Tensor, int, Tensor] | None = None
+        self._slot_cap = cap
+        self._position_buffers: tuple[Tensor, Tensor] | None = None
 
     def replicate(self, momentum: Tensor) -> None:
         """Take DDP's dense form: ``momentum`` is the whole bucket's (every owner's shard, all-gathered), and the
@@ -176,6 +186,30 @@ class BucketState:
         C = self.layout.chunk_size
         return mask[self.region.start // C : self.region.stop // C]
 
+    def mask_positions(self, mask: Tensor) -> Tensor:
+        """:func:`~lightning_scape.kernels.mask_positions` of a whole-bucket mask, computed once per mask.
+
+        A step reads its mask's positions more than once (the int8 wire: where the residual takes the rounding
+        error back, where the change is taken from), so the last mask's are kept and returned again while it is
+        the same tensor, unchanged (its version). One operation computes them, into a buffer kept for the largest
+        k: a caller reads them before it asks for another mask's, which overwrite them.
+        """
+        kept = self._positions
+        if kept is not None and kept[0] is mask and kept[1] == mask._version:
+            return kept[2]
+        rows, k = mask.shape
+        buffers = self._position_buffers
+        if buffers is None or buffers[0].numel() < rows * k:
+            starts = torch.arange(rows, dtype=torch.int64, device=mask.device).mul_(self.layout.chunk_size)
+            buffer = torch.empty(rows * max(k, self._slot_cap), dtype=torch.int64, device=mask.device)
+            buffers = self._position_buffers = (buffer, starts.unsqueeze(1))
+        buffer, starts = buffers
+        positions = buffer[: rows * k]
+        # i * chunk_size + mask[i, j], the int16 index widened exactly: what kernels.mask_positions computes.
+        torch.add(mask, starts, out=positions.view(rows, k))
+        self._positions = (mask, mask._version, positions)
+        return positions
+
     def dense_synced(self) -> Tensor:
         """Where a dense step's summed gradient lands: the reduce-scatter output (sharded), else the residual's
         storage.
@@ -209,3 +243,9 @@ class BucketState:
         """The new values every rank writes at the mask: all owners' (sharded), else this rank's own."""
         gathered = self.gathered
         return gathered if gathered is not None else self.updated
+
+
+def zero_grads(buckets: list[BucketState]) -> None:
+    """Zero every bucket's gradient buffer: one multi-tensor fill (a few launches on CUDA), not a launch per bucket."""
+    if buckets:
+        torch._foreach_zero_([bs.grads for bs in buckets])

@@ -26,12 +26,12 @@ def compact(bucket: BucketState, mask: Tensor) -> None:
 
 def keep_rounding_error(bucket: BucketState, mask: Tensor) -> None:
     """The int8 wire: ``values`` now holds what the int8 codes did not carry; the residual takes it back."""
-    bucket.residual.index_add_(0, kernels.mask_positions(mask, bucket.layout.chunk_size), bucket.values)
+    bucket.residual.index_add_(0, bucket.mask_positions(mask), bucket.values)
 
 
 def stage(bucket: BucketState, mask: Tensor) -> None:
     """Fill ``values`` with ``(e + g)[mask]`` and leave the residual untouched (the same values as :func:`compact`)."""
-    pos = kernels.mask_positions(mask, bucket.layout.chunk_size)
+    pos = bucket.mask_positions(mask)
     bucket.values.copy_(bucket.residual.index_select(0, pos).add_(bucket.grads.index_select(0, pos)))
 
 

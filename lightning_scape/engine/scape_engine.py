@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from lightning_scape.comm import ByteCounters, Communicator, Pending, SoloCommunicator, Wire
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import feedback, form_switch, joining, state, update
-from lightning_scape.engine.buckets import BucketState
+from lightning_scape.engine.buckets import BucketState, zero_grads
 from lightning_scape.engine.layout import build_buckets
 from lightning_scape.engine.masks import MaskSchedule
 from lightning_scape.engine.step import StepInFlight
@@ -159,8 +159,8 @@ class ScapeEngine:
     @torch.no_grad()
     def zero_grad(self) -> None:
         """Zero the gradient buffers (the parameters' ``.grad`` stay views into them)."""
+        zero_grads(self.buckets)
         for bs in self.buckets:
-            bs.grads.zero_()
             for place in bs.layout.places:
                 p = place.param
                 if p.grad is None or p.grad.data_ptr() != bs.grads[place.offset :].data_ptr():

@@ -205,7 +205,7 @@ class StepInFlight:
         else:
             feedback.compact(bs, mask)
         if self.config.wire_format == "int8":
-            pending = self.wire.reduce_scatter_int8("values", bs.sparse_synced(), bs.values, bs.k)
+            pending = self.wire.reduce_scatter_int8("values", bs.sparse_synced(), bs.values, bs.k, bs.values_packets)
             if not self.skip_nonfinite:  # else feedback.commit takes the rounding error back
                 feedback.keep_rounding_error(bs, mask)
             return pending
@@ -239,7 +239,8 @@ class StepInFlight:
         """Global squared L2 norm of the synced gradients (sharded: summed over ranks, one scalar all-reduce)."""
         if self._squared_norm is None:
             squares = [g.float().square().sum() for g in self.synced_grads()]
-            sq = torch.stack([s.to(torch.float64) for s in squares]).sum().reshape(1)
+            # Widened to fp64 together (exactly, as each alone would be), then summed in fp64.
+            sq = torch.stack(squares).to(torch.float64).sum().reshape(1)
             if self.buckets[0].sharded and self.wire.world_size > 1:  # every bucket is in the same mode
                 sq32 = sq.to(torch.float32)
                 self.wire.wait(self.wire.all_reduce_sum("scalars", sq32))

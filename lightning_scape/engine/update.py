@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_scape import kernels
@@ -57,9 +58,12 @@ def for_bucket(hypers: list[AdamSHyper], bucket: BucketState) -> AdamSHyper:
 
 def clip_(synced: list[Tensor], coef: Tensor | None, clip_value: float | None) -> None:
     """Scale the synced gradients by the global-norm coefficient, then clamp them to ``[-clip_value, clip_value]``."""
+    cast: dict[torch.dtype, Tensor] = {}  # the coefficient in each gradient dtype, cast once for every bucket
     for g in synced:
         if coef is not None:
-            g.mul_(coef.to(g.dtype))
+            if g.dtype not in cast:
+                cast[g.dtype] = coef.to(g.dtype)
+            g.mul_(cast[g.dtype])
         if clip_value is not None:
             g.clamp_(-clip_value, clip_value)
 
@@ -137,12 +141,15 @@ def _launch_change_gather_int8(bucket: BucketState, mask: Tensor, decay: float, 
     that same value, so the replicas stay bitwise equal.
     """
     C = bucket.layout.chunk_size
-    assert bucket.gathered is not None
-    decayed = bucket.params.index_select(0, kernels.mask_positions(mask, C)).mul_(decay)
-    bucket.gathered.copy_(decayed)
+    gathered = bucket.gathered
+    assert gathered is not None
+    torch.index_select(bucket.params, 0, bucket.mask_positions(mask), out=gathered)
+    if decay != 1.0:  # without weight decay the values are what decaying leaves (scatter_decay skips it too)
+        gathered.mul_(decay)
     region = slice(bucket.region.start // C * bucket.k, bucket.region.stop // C * bucket.k)
-    change = bucket.updated.sub_(decayed[region])
-    return wire.all_gather_int8("params", bucket.gathered, change, bucket.k)
+    # Taken before the gather adds to ``gathered``: its region holds the decayed values the owner's change is from.
+    change = bucket.updated.sub_(gathered[region])
+    return wire.all_gather_int8("params", gathered, change, bucket.k, bucket.params_packets)
 
 
 def apply_sparse(bucket: BucketState, mask: Tensor, decay: float) -> None:

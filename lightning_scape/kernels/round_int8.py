@@ -38,9 +38,23 @@ def round_int8_ref(x: Tensor, group: int, codes: Tensor, scales: Tensor) -> None
     scales.copy_(s)
 
 
-def decode_int8(codes: Tensor, scales: Tensor) -> Tensor:
-    """``q * s`` per group: the fp32 values every receiver of ``(codes, scales)`` computes."""
-    return codes.view(scales.numel(), -1).float().mul_(scales.unsqueeze(1)).view(-1)
+def decode_int8(codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
+    """``q * s`` per group: the fp32 values every receiver of ``(codes, scales)`` computes.
+
+    Args:
+        codes: ``[..., groups * group]`` int8 codes; the rows may be strided (views into packets).
+        scales: ``[..., groups]`` fp32 scales, one per group of each row of ``codes``.
+        out: ``codes``' shape in fp32, contiguous, to write into; a new tensor where None.
+
+    Returns:
+        ``out``: the decoded values.
+    """
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    groups = scales.shape[-1]
+    # One multiplication: the code is promoted to fp32 (exactly) and multiplied in fp32, as ``q.float() * s``.
+    torch.mul(codes.unflatten(-1, (groups, -1)), scales.unsqueeze(-1), out=out.unflatten(-1, (groups, -1)))
+    return out
 
 
 @signature_of(round_int8_ref)
