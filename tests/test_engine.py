@@ -97,6 +97,16 @@ def test_bf16_parameters_replicas_identical_and_two_byte_values() -> None:
     assert out[0]["sent"][-1]["values"] == (2 - 1) * slots * 2 // 2  # (W-1)/W * dN * 2 bytes
 
 
+def test_bf16_parameters_on_the_int8_wire_keep_replicas_identical() -> None:
+    """The int8 wire's rounding error, left in the bf16 values, goes back into the fp32 residual (it raised a dtype
+    error at the first sparse step)."""
+    config = {"density": 0.05, "chunk_size": 128, "dense_warmup_steps": 1, "density_ramp_steps": 0}
+    out = sim(2, {"steps": 5, "dtype": "bfloat16", "config": {**config, "wire_format": "int8"}})
+    for step in range(5):
+        assert torch.equal(out[0]["params"][step], out[1]["params"][step])
+    assert not torch.equal(out[0]["params"][1], out[0]["params"][4])  # the sparse steps moved the parameters
+
+
 def test_no_gradient_mass_is_lost_exactly() -> None:
     """Integer-valued fp64 gradients make every sum exact: sum_t g = sent + residual, per rank and coordinate."""
     results = simulate(2, lambda rank, comm: mass_worker(rank, comm, steps=12))

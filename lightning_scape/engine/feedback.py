@@ -26,7 +26,7 @@ def compact(bucket: BucketState, mask: Tensor) -> None:
 
 def keep_rounding_error(bucket: BucketState, mask: Tensor) -> None:
     """The int8 wire: ``values`` now holds what the int8 codes did not carry; the residual takes it back."""
-    bucket.residual.index_add_(0, bucket.mask_positions(mask), bucket.values)
+    bucket.residual.index_add_(0, bucket.mask_positions(mask), bucket.values.to(bucket.residual.dtype))
 
 
 def stage(bucket: BucketState, mask: Tensor) -> None:
