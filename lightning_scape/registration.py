@@ -29,12 +29,11 @@ ADAPTERS: dict[str, tuple[str, str, str]] = {
 
 def register_with_lightning() -> None:
     """Register the strategy names with each Lightning package loaded now, and with the others when they load."""
-    waiting = {name: adapter for name, adapter in ADAPTERS.items() if not _loaded(name)}
-    for name in ADAPTERS:
-        if name not in waiting:
-            register_in(name)
+    waiting = {name for name in ADAPTERS if not _loaded(name)}
+    for name in ADAPTERS.keys() - waiting:
+        register_in(name)
     if waiting and not any(isinstance(f, _RegisterAfterLightning) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterAfterLightning(set(waiting)))
+        sys.meta_path.insert(0, _RegisterAfterLightning(waiting))
 
 
 def register_in(package: str) -> None:
