@@ -4,6 +4,7 @@
     python benchmarks/bench_kernels.py --sizes 1e8 --dtype bf16 # skip 1e9 (about 20 GB at fp32)
     python benchmarks/bench_kernels.py --peak-gbps 3350         # device not in the peak table
     python benchmarks/bench_kernels.py --compare-ref            # also time the pure-PyTorch refs on the GPU
+    python benchmarks/bench_kernels.py --select prefilter       # only the default selection kernel
 
 Per kernel: the bytes it must move (formulas in docs/kernels.md), the median time over ``--iters`` launches
 measured with CUDA events, the achieved GB/s and its fraction of the GPU's peak DRAM bandwidth (from the
@@ -12,6 +13,13 @@ ef_compact + sparse_adams + select_mask + scatter_decay on N parameters at densi
 W > 1 are not part of it), compared with ``torch.optim.AdamW(fused=True)`` and the dense AdamS kernel on
 the same N. Without a CUDA GPU the script says so, runs the code path on a tiny CPU size with the refs
 (not a measurement) and exits 0.
+
+The selection (``select_mask``, ``chunk_topk``) has two candidate kernels behind
+``LIGHTNING_SCAPE_SELECT_KERNEL`` (``walk``, ``split``; ``lightning_scape/kernels/chunk_topk.py``). ``--select all``
+(the default) checks them against the refs with the other kernels (``--check``) and times them against the
+default in alternating rounds (``--rounds``; medians of the rounds, and the median of the per-round ratios): on
+the kernel table's problem, on an all-zero state (a chunk of ties), on heavy-tailed scores (the walk gives up
+and bisects), and inside the whole sparse step.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -68,6 +77,10 @@ STATE = (
 )
 EXACT_OPS = ("ef_compact", "select_mask", "chunk_topk", "scatter_decay", "round_int8")
 INT8_GROUP = INT8_DENSE_GROUP  # a dense step's coordinates per scale in the int8 wire
+# The selection kernels (LIGHTNING_SCAPE_SELECT_KERNEL): the default, then the candidates.
+SELECT_ENV = "LIGHTNING_SCAPE_SELECT_KERNEL"
+CURRENT, CANDIDATES = "prefilter", ("walk", "split")
+SELECT_OPS = ("select_mask", "chunk_topk")
 
 
 @dataclass
@@ -246,10 +259,10 @@ def adamw_fused(numel: int, dtype: torch.dtype, device: str) -> tuple[Callable[[
 def print_rows(title: str, rows: list[Row], peak: float | None, bandwidth: bool = True) -> None:
     """A table of ``rows``; ``bandwidth=False`` leaves out GB/s (a CPU smoke run measures nothing)."""
     print(f"\n{title}")
-    head = f"{'op':<34} {'path':<7} {'numel':>13} {'median ms':>10} {'MB moved':>10}"
+    head = f"{'op':<42} {'path':<7} {'numel':>13} {'median ms':>10} {'MB moved':>10}"
     print(head + (f" {'GB/s':>8} {'% peak':>7}" if bandwidth else ""))
     for r in rows:
-        line = f"{r.name:<34} {r.path:<7} {r.numel:>13,} {r.median_ms:>10.3f} {r.bytes_moved / 1e6:>10.1f}"
+        line = f"{r.name:<42} {r.path:<7} {r.numel:>13,} {r.median_ms:>10.3f} {r.bytes_moved / 1e6:>10.1f}"
         if bandwidth:
             pct = f"{100 * r.gbps / peak:6.1f}%" if peak else "    n/a"
             line += f" {r.gbps:>8.1f} {pct:>7}"
@@ -284,10 +297,13 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
             print("note: the dispatcher runs the refs (LIGHTNING_SCAPE_FORCE_REF=1 or no triton): timing the refs")
     results: dict[str, object] = {"device": name, "peak_gbps": peak, "args": vars(args)}
 
-    # Per-kernel bandwidth on one problem.
+    # Per-kernel bandwidth on one problem (the selection ops on the kernel --select names; all: the default).
     kernel_numel = int(args.kernel_numel) if cuda else 1 << 16
     prob = Problem(kernel_numel, args.chunk_size, args.density, args.exploration, dtype, device)
-    rows = [Row(op, prob.N, prob.path(), timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
+    with select_kernel(CURRENT if args.select == "all" else args.select):
+        rows = [Row(op, prob.N, prob.path(), timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
+    if args.select == "all":
+        results["selection"] = compare_selection(prob, timer, (iters, warmup, args.rounds), peak, cuda)
     if args.compare_ref and cuda:
         with forced_ref():
             rows += [Row(op, prob.N, "ref", timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
@@ -303,9 +319,11 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
     for size in args.sizes if cuda else [1 << 16]:
         rows = step_rows(int(size), args, device)
         all_steps += rows
-        if cuda and rows:
-            ratio = rows[0].median_ms / rows[-1].median_ms
-            print(f"\nN={rows[0].numel:,}: SCAPE sparse step / fused AdamW step = {ratio:.3f}")
+        for scape in rows if cuda else []:
+            if scape.name.startswith("SCAPE sparse step"):
+                print(
+                    f"\nN={scape.numel:,}: {scape.name} / fused AdamW step = {scape.median_ms / rows[-1].median_ms:.3f}"
+                )
     if all_steps:
         title = f"optimizer step at d={args.density}"
         if not cuda:
@@ -331,8 +349,12 @@ def step_rows(n: int, args: argparse.Namespace, device: str) -> list[Row]:
         print(f"\nskipping N={n:,}: needs about {need / 2**30:.1f} GiB, {free_bytes() / 2**30:.1f} GiB free")
         return []
     prob = Problem(n, args.chunk_size, args.density, args.exploration, dtype, device)
-    scape = Row("SCAPE sparse step", prob.N, prob.path(), timer(prob.sparse_step, iters, warmup), 0)
-    scape.bytes_moved = prob.bytes("sparse_step")
+    scapes = []
+    for kernel in (CURRENT, *CANDIDATES) if args.select == "all" else (args.select,):
+        with select_kernel(kernel):
+            ms = timer(prob.sparse_step, iters, warmup)
+        label = "SCAPE sparse step" + ("" if kernel == CURRENT else f" [{kernel}]")
+        scapes.append(Row(label, prob.N, prob.path(), ms, prob.bytes("sparse_step")))
     dense = Row("dense AdamS (dense_adams)", prob.N, prob.path(), timer(prob.dense_adams, iters, warmup), 0)
     dense.bytes_moved = prob.bytes("dense_adams")
     adamw_bytes = prob.bytes("adamw_fused")
@@ -341,7 +363,69 @@ def step_rows(n: int, args: argparse.Namespace, device: str) -> list[Row]:
     label = "torch AdamW(fused=True)" if cuda else "torch AdamW (CPU, not fused)"
     adamw = Row(label, n, "torch", timer(step, iters, warmup), adamw_bytes)
     del step, keep
-    return [scape, dense, adamw]
+    return [*scapes, dense, adamw]
+
+
+def compare_selection(
+    prob: Problem,
+    timer: Callable[[Callable[[], object], int, int], float],
+    counts: tuple[int, int, int],
+    peak: float | None,
+    cuda: bool,
+) -> list[dict[str, Any]]:
+    """The default and the candidate selection kernels timed in alternating rounds on ``prob``'s state.
+
+    Cases: ``select_mask`` and ``chunk_topk`` as in the kernel table, ``select_mask`` on an all-zero state (every
+    chunk one tie: the split kernel's second launch takes them all) and on heavy-tailed state (each chunk's
+    largest value 64x the rest: the walk gives up and bisects, its worst case). Each round times the default,
+    then each candidate (``iters`` launches each, their median).
+
+    Args:
+        prob: The kernel table's problem.
+        timer: ``time_cuda`` or ``time_cpu``.
+        counts: Timed launches per kernel and round, untimed warm-up launches, rounds.
+        peak: The device's peak GB/s (None: unknown).
+        cuda: Whether this is a measurement (False: the CPU smoke run).
+
+    Returns:
+        Per case: the medians over the rounds (ms) of each kernel, its GB/s, and per candidate the median of the
+        per-round ratios of its time to the default's (``over_current``; below 1: faster).
+    """
+    iters, warmup, rounds = counts
+    zeros = torch.zeros_like(prob.momentum)
+    heavy = prob.momentum.clone()
+    heavy.view(-1, prob.C)[:, prob.C // 2] = 64 * float(prob.momentum.abs().max())
+    args = (0.9, "momentum", prob.C, prob.k, prob.ke, 3)
+    cases: dict[str, tuple[Callable[[], object], int]] = {
+        "select_mask": (prob.select_mask, prob.bytes("select_mask")),
+        "chunk_topk": (prob.chunk_topk, prob.bytes("chunk_topk")),
+        "select_mask, all-zero state": (lambda: K.select_mask(zeros, zeros, *args), prob.bytes("select_mask")),
+        "select_mask, heavy tails": (lambda: K.select_mask(heavy, prob.residual, *args), prob.bytes("select_mask")),
+    }
+    rows: list[Row] = []
+    out: list[dict[str, Any]] = []
+    for case, (fn, nbytes) in cases.items():
+        times: dict[str, list[float]] = {name: [] for name in (CURRENT, *CANDIDATES)}
+        for _ in range(rounds):
+            for name, series in times.items():
+                with select_kernel(name):
+                    series.append(timer(fn, iters, warmup))
+        ratios = {name: statistics.median(c / p for p, c in zip(times[CURRENT], times[name], strict=True))
+                  for name in CANDIDATES}  # fmt: skip
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        rows += [Row(f"{case} [{name}]", prob.N, prob.path(), ms, nbytes) for name, ms in medians.items()]
+        gbps = {name: nbytes / (ms * 1e-3) / 1e9 for name, ms in medians.items()}
+        out.append({"case": case, "rounds": rounds, "median_ms": medians, "gbps": gbps,
+                    "over_current": ratios})  # fmt: skip
+    title = f"selection: the default and the candidates ({', '.join(CANDIDATES)}), {rounds} alternating rounds"
+    if not cuda:
+        title = "CPU smoke run (tiny size): NOT a measurement; " + title
+    print_rows(title, rows, peak, bandwidth=cuda)
+    if cuda:
+        for r in out:
+            for name, ratio in r["over_current"].items():
+                print(f"  {r['case']}: {name} / {CURRENT} = {ratio:.3f} (the median of the per-round ratios)")
+    return out
 
 
 # (chunk size, density, rows) of the problems check() runs: tiny to the largest chunks, odd row counts.
@@ -362,11 +446,14 @@ def check(
         base = Problem(rows * C, C, density, exploration, dtype, device)
         base.values.normal_()  # the averaged slot values sparse_adams reads
         base.new_values.normal_()  # the new slot values scatter_decay writes
-        for op in OPS:
+        runs = [(op, CURRENT) for op in OPS] + [(op, name) for name in CANDIDATES for op in SELECT_OPS]
+        for op, search in runs:
             kernel, ref = base.clone(), base.clone()
-            getattr(kernel, op)()
+            with select_kernel(search):
+                getattr(kernel, op)()
             with forced_ref():
                 getattr(ref, op)()
+            label = op if search == CURRENT else f"{op}[{search}]"
             for name in STATE:
                 a, b = getattr(kernel, name), getattr(ref, name)
                 if op in EXACT_OPS or not a.is_floating_point():
@@ -375,9 +462,62 @@ def check(
                     ok = torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
                 if not ok:
                     bad = int((a != b).sum())
-                    failures.append(f"{op} (C={C}, d={density}, {rows} rows): {name} differs in {bad} values")
-        print(f"checked C={C} d={density} rows={rows} on {device} ({base.path()} vs ref)")
+                    failures.append(f"{label} (C={C}, d={density}, {rows} rows): {name} differs in {bad} values")
+        print(f"checked C={C} d={density} rows={rows} on {device} ({base.path()} vs ref; every selection kernel)")
+    return failures if device == "cpu" else failures + check_hard_selection(device, dtype)
+
+
+def hard_scores(rows: int, chunk_size: int, k: int, gen: torch.Generator) -> dict[str, Tensor]:
+    """fp32 scores (on the CPU) that take each path of the selection kernel after its group-maximum prefilter.
+
+    ``zeros``: every key tied; ``shared``: one 16-bit bin (the low bits decide); ``packed``: the top k in a few
+    adjacent groups; ``outlier4`` / ``outlier5``: each chunk's largest value 4 and 5 binades above the rest (the
+    candidate search walks its last binade, or bisects instead). ``tests/test_kernels.py`` runs such scores in
+    the interpreter.
+    """
+    C = chunk_size
+    shared = 1.0 + 1e-6 * torch.randn(rows * C, generator=gen).abs()
+    packed = torch.rand(rows * C, generator=gen) * 1e-3
+    packed.view(rows, C)[:, 100 : 100 + k + 5] += torch.rand(rows, k + 5, generator=gen) + 1.0
+    outliers = {f"outlier{b}": 1.0 + torch.rand(rows * C, generator=gen) for b in (4, 5)}
+    for b, scores in zip((4, 5), outliers.values(), strict=True):
+        scores.view(rows, C)[:, 7] = 2.0**b + 1.0
+    return {"zeros": torch.zeros(rows * C), "shared": shared, "packed": packed, **outliers}
+
+
+def check_hard_selection(device: str, dtype: torch.dtype, rows: int = 7) -> list[str]:
+    """Every selection kernel against the refs on :func:`hard_scores` (C = 1024 and 4096); the failures."""
+    failures = []
+    for C, k in ((1024, 10), (4096, 41)):
+        gen = torch.Generator().manual_seed(C)
+        for name, cpu_scores in hard_scores(rows, C, k, gen).items():
+            s = cpu_scores.to(device=device, dtype=dtype)
+            m = s.float()
+            for ke, off in ((0, 0), (max(1, k // 10), C - 1)):
+                with forced_ref():
+                    want = (K.chunk_topk(s, C, k, ke, off), K.select_mask(m, 0 * m, 0.9, "momentum", C, k, ke, off))
+                for search in (CURRENT, *CANDIDATES):
+                    with select_kernel(search):
+                        got = (K.chunk_topk(s, C, k, ke, off), K.select_mask(m, 0 * m, 0.9, "momentum", C, k, ke, off))
+                    for op, g, w in zip(SELECT_OPS[::-1], got, want, strict=True):
+                        if not torch.equal(g, w):
+                            failures.append(f"{op}[{search}] ({name}, C={C}, k={k}, k_explore={ke}) differs")
+    print(f"checked every selection kernel on hard scores on {device}")
     return failures
+
+
+@contextlib.contextmanager
+def select_kernel(name: str) -> Iterator[None]:
+    """Temporarily set ``LIGHTNING_SCAPE_SELECT_KERNEL`` to ``name`` (the selection kernel the entry points run)."""
+    old = os.environ.get(SELECT_ENV)
+    os.environ[SELECT_ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(SELECT_ENV, None)
+        else:
+            os.environ[SELECT_ENV] = old
 
 
 @contextlib.contextmanager
@@ -410,6 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--peak-gbps", type=float, default=None, help="peak DRAM bandwidth, GB/s (overrides the table)")
     ap.add_argument("--compare-ref", action="store_true", help="also time the pure-PyTorch refs on the GPU")
+    ap.add_argument(
+        "--select", choices=(CURRENT, *CANDIDATES, "all"), default="all",
+        help="selection kernel(s) to time: the default (prefilter), a candidate (walk, split), or all side by side "
+        "(default)",
+    )  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the side-by-side selection timing")
     ap.add_argument("--no-cpu-smoke", action="store_true", help="without a GPU, do not run the tiny CPU smoke run")
     ap.add_argument("--check", action="store_true", help="first check every kernel against its ref (exit 1 if off)")
     ap.add_argument("--check-only", action="store_true", help="only the check")

@@ -259,6 +259,22 @@ def run_scale(args: argparse.Namespace, elapsed_s: float) -> dict[str, Any]:
     return {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": time.perf_counter() - t0, "report": report}
 
 
+def selection_md(cases: list[dict[str, Any]]) -> list[str]:
+    """The selection kernels side by side (``bench_kernels.compare_selection``), as report lines."""
+    if not cases:
+        return []
+    names = list(cases[0]["median_ms"])
+    head = [f"{n} ms" for n in names] + [f"{n} / default" for n in names[1:]]
+    lines = ["", f"Selection kernels side by side ({cases[0]['rounds']} alternating rounds; medians; ratio: the "
+             "median of the per-round ratios to the default):", "",
+             "| case | " + " | ".join(head) + " |", "|---" * (1 + len(head)) + "|"]  # fmt: skip
+    for c in cases:
+        times = " | ".join(f"{c['median_ms'][n]:.3f}" for n in names)
+        ratios = " | ".join(f"{c['over_current'][n]:.3f}" for n in names[1:])
+        lines.append(f"| {c['case']} | {times} | {ratios} |")
+    return lines
+
+
 def report_md(report: dict[str, Any]) -> str:
     """``report.md``."""
     dev = report["device"]
@@ -283,6 +299,7 @@ def report_md(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['name']} | {r['path']} | {r['numel']:,} | {r['median_ms']:.3f} | {r['gbps']:.1f} | {pct} |"
             )
+        lines += selection_md(report["bandwidth"].get("selection", []))
     else:
         lines.append("Not measured (no GPU): `bench_kernels.run` ran its code path only.")
     t = report["training"]

@@ -15,6 +15,7 @@ CPU ``sqrt`` is not correctly rounded while the kernels use IEEE ``sqrt_rn`` (la
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -33,6 +34,10 @@ pytest.importorskip("triton")
 
 import lightning_scape.kernels as K
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine
+from lightning_scape.kernels._triton import HAS_TRITON, tl, triton
+
+# By module path: the package's ``chunk_topk`` attribute is the op, not its module.
+select_module: Any = importlib.import_module("lightning_scape.kernels.chunk_topk")
 
 _REPO = Path(__file__).resolve().parents[1]
 LAUNCHERS = [n for n in K.__all__ if n.endswith("_triton") and n != "use_triton"]
@@ -111,6 +116,13 @@ def spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         # Each entry point calls the launcher of its own op module: the spy replaces it there.
         monkeypatch.setattr(sys.modules[launcher.__module__], name, spy)
     return calls
+
+
+@pytest.fixture(params=select_module.SELECT_KERNELS)
+def select_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a selection test on each threshold search the kernel has (``LIGHTNING_SCAPE_SELECT_KERNEL``)."""
+    monkeypatch.setenv(select_module.SELECT_KERNEL_ENV, request.param)
+    return str(request.param)
 
 
 # ---------------------------------------------------------------- error feedback + compaction
@@ -247,6 +259,7 @@ def test_scatter_decay_rounds_fp32_values_into_bf16_params_like_the_ref() -> Non
 # ---------------------------------------------------------------- per-chunk top-k and the fused select
 
 
+@pytest.mark.usefixtures("select_kernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("shape", SHAPES)
@@ -267,6 +280,7 @@ def test_chunk_topk_equals_ref_exactly(shape: tuple[int, int], density: float, d
         assert torch.equal(got, K.chunk_topk_ref(s, C, k, ke, offset)), (ke, offset)
 
 
+@pytest.mark.usefixtures("select_kernel")
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_chunk_topk_picks_the_torch_topk_set_on_tie_free_data(shape: tuple[int, int], density: float) -> None:
@@ -279,6 +293,7 @@ def test_chunk_topk_picks_the_torch_topk_set_on_tie_free_data(shape: tuple[int, 
     assert torch.equal(got.long(), want)
 
 
+@pytest.mark.usefixtures("select_kernel")
 def test_chunk_topk_fills_ties_in_index_order_and_forces_the_exploration_window() -> None:
     scores = torch.tensor(
         [
@@ -296,6 +311,7 @@ def test_chunk_topk_fills_ties_in_index_order_and_forces_the_exploration_window(
         assert torch.equal(K.chunk_topk_triton(scores, 8, 3, ke, off), K.chunk_topk_ref(scores, 8, 3, ke, off))
 
 
+@pytest.mark.usefixtures("select_kernel")
 def test_chunk_topk_ranks_nan_inf_and_signed_zero_like_the_ref() -> None:
     special = torch.tensor(
         [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.0]
@@ -310,6 +326,7 @@ def test_chunk_topk_ranks_nan_inf_and_signed_zero_like_the_ref() -> None:
         assert torch.equal(K.chunk_topk_triton(s, C, k, ke, off), K.chunk_topk_ref(s, C, k, ke, off))
 
 
+@pytest.mark.usefixtures("select_kernel")
 @pytest.mark.parametrize("statistic", ["momentum", "gradient"])
 @pytest.mark.parametrize("density", DENSITIES)
 @pytest.mark.parametrize("shape", SHAPES)
@@ -326,23 +343,88 @@ def test_select_mask_equals_ref_exactly(shape: tuple[int, int], density: float, 
     assert torch.equal(K.select_mask_triton(m, e, 0.9, statistic, C, k, ke, offset), ref)
 
 
+@pytest.mark.usefixtures("select_kernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_selection_where_the_group_prefilter_cannot_narrow_or_the_top_is_packed(dtype: torch.dtype) -> None:
-    """The kernels' two rarer paths: scores that share their top 16 bits (the prefilter on group maxima cannot
-    narrow them: the whole chunk is searched) and a top-k packed into a few adjacent groups (the k-th largest is
-    found among the candidates), for chunk_topk and select_mask."""
+    """The kernels' rarer paths: scores that share their top 16 bits (the prefilter on group maxima cannot
+    narrow them: the whole chunk is searched, by the second launch of the split kernel), a top-k packed into a
+    few adjacent groups (the k-th largest is found among the candidates), a chunk's largest value 16x and 32x
+    its k-th largest (the candidate search walks its last binade, or bisects instead), and chunks of ties, for
+    chunk_topk and select_mask."""
     rows, C, k = 3, 4096, 41
     gen = torch.Generator().manual_seed(11)
     shared = 1.0 + 1e-6 * torch.randn(rows * C, generator=gen)
     packed = torch.rand(rows * C, generator=gen) * 1e-3
     packed.view(rows, C)[:, 100 : 100 + k + 5] += torch.rand(rows, k + 5, generator=gen) + 1.0
-    for s in (shared.to(dtype), packed.to(dtype)):
+    outliers = [1.0 + torch.rand(rows * C, generator=gen) for _ in range(2)]
+    outliers[0].view(rows, C)[:, 7] = 17.0  # 4 binades above the rest
+    outliers[1].view(rows, C)[:, 7] = 33.0  # 5 binades
+    zeros = torch.zeros(rows * C)  # every chunk one tie
+    zeros[C : 2 * C : 3] = 1.0  # but the second: fewer than k at the top, then ties
+    for s in (shared.to(dtype), packed.to(dtype), *(o.to(dtype) for o in outliers), zeros.to(dtype)):
         for ke, off in ((0, 0), (4, 4090)):
             assert torch.equal(K.chunk_topk_triton(s, C, k, ke, off), K.chunk_topk_ref(s, C, k, ke, off))
             m = s.float()
             e = torch.zeros_like(m)
             ref = K.select_mask_ref(m, e, 0.9, "momentum", C, k, ke, off)
             assert torch.equal(K.select_mask_triton(m, e, 0.9, "momentum", C, k, ke, off), ref)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _walk_probe(key_ptr: Any, out_ptr: Any, k: Any, n_window: Any, N: tl.constexpr) -> None:  # noqa: N803
+        """Store the candidate search's threshold of ``N`` keys, and whether its walk found it."""
+        key = tl.load(key_ptr + tl.arange(0, N))
+        t, walked = select_module._kth_key_walk(key, k, n_window, 16, select_module.WALK_BINADES)
+        tl.store(out_ptr, t)
+        tl.store(out_ptr + 1, walked.to(tl.int32))
+
+
+def _walk(keys: torch.Tensor, k: int, n_window: int = 0) -> tuple[int, bool]:
+    out = torch.zeros(2, dtype=torch.int32)
+    _walk_probe[(1,)](keys.contiguous(), out, k, n_window, N=keys.numel())
+    return int(out[0]), bool(out[1])
+
+
+def _float_keys(values: torch.Tensor) -> torch.Tensor:
+    """The selection's int32 keys of fp32 values without NaN: their bits, magnitude flipped where negative."""
+    bits = values.float().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def test_candidate_search_walks_from_the_largest_key_or_bisects_and_finds_the_same_threshold() -> None:
+    """The threshold is the k-th largest key with its low 16 bits cleared, whichever way the search went; the
+    walk is taken within its binades of the largest key, and refused where it could be wrong."""
+    inf_key = 0x7F800000  # the exploration window's key
+    gen = torch.Generator().manual_seed(2)
+    base = 1.0 + torch.rand(256, generator=gen)  # one binade: [1, 2)
+    cases = {  # name: (values, k, window groups at most, the walk is taken)
+        "one binade": (base, 10, 0, True),
+        "normal": (torch.randn(256, generator=gen).abs(), 10, 0, True),
+        "top 4 binades up": (torch.cat([base[:-1], torch.tensor([17.0])]), 10, 0, True),
+        "top 5 binades up": (torch.cat([base[:-1], torch.tensor([33.0])]), 10, 0, False),
+        "all zero": (torch.zeros(256), 10, 0, True),
+        "subnormal": (torch.rand(256, generator=gen) * 1e-39, 10, 0, True),
+        "k-th largest negative": (torch.cat([-base[:-3], base[-3:]]), 10, 0, False),
+    }
+    for name, (values, k, n_window, walks) in cases.items():
+        keys = _float_keys(values)
+        want = int(keys.sort(descending=True).values[k - 1]) >> 16 << 16
+        assert _walk(keys, k, n_window) == (want, walks), name
+    # Window groups (key +inf) above the data: fewer than k of them, the walk starts below; k or more, it cannot.
+    keys = _float_keys(base)
+    keys[:3] = inf_key
+    want = int(keys.sort(descending=True).values[9]) >> 16 << 16
+    assert _walk(keys, 10, 3) == (want, True)
+    keys[:10] = inf_key
+    assert _walk(keys, 10, 10) == (inf_key, False)
+
+
+def test_select_kernel_flag_refuses_an_unknown_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(select_module.SELECT_KERNEL_ENV, "wlak")
+    with pytest.raises(ValueError, match="choose one of prefilter, walk, split"):
+        K.chunk_topk_triton(torch.rand(4096), 4096, 41, 0, 0)
 
 
 # ---------------------------------------------------------------- int8 rounding

@@ -6,10 +6,17 @@ Each row of the result lists its k indices in ascending order.
 
 ``select_mask`` fuses the mask statistic into the selection: the Triton kernel reads the momentum and
 residual of a chunk once and writes its k indices, without materialising the fp32 scores.
+
+``LIGHTNING_SCAPE_SELECT_KERNEL=walk`` makes both Triton launchers find the prefilter's threshold by the
+candidate search of ``_kth_key_walk``; ``=split`` also moves the chunks the prefilter cannot narrow into a
+second launch (``_select_rare_kernel``), so that the first holds fewer registers. The same threshold and the
+same indices either way; docs/kernels.md says how they differ and how ``benchmarks/bench_kernels.py`` times
+them against the default.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -24,6 +31,24 @@ _STAT_SCORES = 0  # the input is already the score
 _STAT_MOMENTUM = 1  # |b1 * m + (1 - b1) * e|
 _STAT_GRADIENT = 2  # |e|
 _STATISTICS = {"momentum": _STAT_MOMENTUM, "gradient": _STAT_GRADIENT}
+
+# Which selection kernel runs, read at every launch: unset or "prefilter", the default; "walk", the candidate
+# threshold search; "split", the walk with the rare paths moved into a second launch. The candidates stay behind
+# this flag until a GPU timing (benchmarks/bench_kernels.py --select all) shows one faster: docs/kernels.md.
+SELECT_KERNEL_ENV = "LIGHTNING_SCAPE_SELECT_KERNEL"
+SELECT_KERNELS = ("prefilter", "walk", "split")
+
+
+def selected_kernel() -> str:
+    """The selection kernel ``LIGHTNING_SCAPE_SELECT_KERNEL`` names: ``"prefilter"`` (unset), ``"walk"``, ``"split"``.
+
+    Raises:
+        ValueError: The variable holds another value (a typo must not silently time the default).
+    """
+    name = os.environ.get(SELECT_KERNEL_ENV) or "prefilter"
+    if name not in SELECT_KERNELS:
+        raise ValueError(f"{SELECT_KERNEL_ENV}={name!r}: choose one of {', '.join(SELECT_KERNELS)} (or unset it).")
+    return name
 
 
 def mask_scores_ref(momentum: Tensor, residual: Tensor, beta1: float, statistic: str) -> Tensor:
@@ -156,6 +181,9 @@ def select_mask(
 
 
 if HAS_TRITON:
+    # Binades the candidate search walks down from the largest key before it bisects instead: the k-th
+    # largest of a chunk whose largest value is over 16x its k-th largest (heavy tails) is bisected.
+    WALK_BINADES = tl.constexpr(4)
 
     @triton.jit
     def _load_scores(
@@ -182,12 +210,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _score_keys(
-        s: tl.tensor, idx: tl.tensor, k_explore: tl.tensor, offset: tl.tensor, C: tl.constexpr, SIGNED: tl.constexpr
+        s: tl.tensor,
+        idx: tl.tensor,
+        k_explore: tl.tensor,
+        offset: tl.tensor,
+        C: tl.constexpr,
+        SIGNED: tl.constexpr,
+        WALK: tl.constexpr,
     ) -> tl.tensor:
         """Order-preserving int32 keys of scores ``s`` at chunk-local indices ``idx``, ranked as the ref ranks.
 
-        ``SIGNED`` False promises no -inf and no -0.0 among the scores (they are absolute values).
+        ``SIGNED`` False promises absolute values: no -inf, no -0.0, no sign bit but a NaN's. ``WALK``
+        (the candidate kernel) computes the same keys in fewer operations where ``SIGNED`` is False.
         """
+        if WALK and not SIGNED:
+            return _abs_score_keys(s, idx, k_explore, offset, C)
         # chunk_topk_ref's nan_to_num(nan=-inf, posinf=FLT_MAX) also maps -inf to -FLT_MAX (the
         # default of neginf), so NaN ranks below every number.
         s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
@@ -205,6 +242,17 @@ if HAS_TRITON:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
+    def _abs_score_keys(
+        s: tl.tensor, idx: tl.tensor, k_explore: tl.tensor, offset: tl.tensor, C: tl.constexpr
+    ) -> tl.tensor:
+        """:func:`_score_keys` of absolute values: their bits are their keys, once +inf and NaN are placed."""
+        # +inf ranks as FLT_MAX (0x7F7FFFFF), NaN as -inf (key 0x807FFFFF), the window as +inf (0x7F800000):
+        # the keys _score_keys computes, in integer min/select instead of float compares and a sign flip.
+        bits = s.to(tl.int32, bitcast=True)
+        key = tl.where(s != s, -2139095041, tl.minimum(bits, 2139095039))
+        return tl.where(((idx - offset) & (C - 1)) < k_explore, 2139095040, key)
+
+    @triton.jit
     def _kth_key(key: tl.tensor, k: tl.tensor, LOW_BIT: tl.constexpr) -> tl.tensor:
         """The largest t, a multiple of ``2**LOW_BIT``, with ``#{key >= t} >= k`` (the k-th largest key for 0).
 
@@ -220,6 +268,51 @@ if HAS_TRITON:
         return t
 
     @triton.jit
+    def _kth_key_walk(
+        key: tl.tensor, k: tl.tensor, n_window: tl.tensor, LOW_BIT: tl.constexpr, MAX_STEPS: tl.constexpr
+    ) -> tuple[tl.tensor, tl.tensor]:
+        """:func:`_kth_key`'s result, searched from the binade of the largest key down (the candidate kernel).
+
+        The k-th largest of a chunk's group maxima lies within a few binades of the largest (window groups,
+        keyed +inf, left out): count down one binade (2**23 keys) per pass from there, then bisect its 7
+        mantissa bits above ``LOW_BIT``; 1 + (binades walked) + 7 counts where the bisection takes 16. It
+        starts only where fewer than k keys can lie above that binade (``n_window``, an upper bound of the
+        window groups, < k) and the answer is not negative, and walks at most ``MAX_STEPS`` binades;
+        otherwise it bisects as :func:`_kth_key` does.
+
+        Returns:
+            The threshold, and whether the walk found it (False: the bisection did).
+        """
+        # Every key but the window's (+inf, 0x7F800000) is at most FLT_MAX's.
+        top = tl.max(tl.where(key < 2139095040, key, -1), axis=0)
+        t = top & -8388608  # the binade's first key: its 23 mantissa bits cleared
+        n = tl.sum((key >= t).to(tl.int32), axis=0)
+        # Invariant: fewer than k keys >= t + 2**23 (above top: the window groups only).
+        ok = (top >= 0) & (n_window < k)
+        steps = 0
+        while ok & (n < k) & (t > 0) & (steps < MAX_STEPS):
+            t -= 8388608
+            n = tl.sum((key >= t).to(tl.int32), axis=0)
+            steps += 1
+        walked = ok & (n >= k)
+        if walked:
+            for b in tl.static_range(22, LOW_BIT - 1, -1):
+                cand = t | (1 << b)
+                cnt = tl.sum((key >= cand).to(tl.int32), axis=0)
+                t = tl.where(cnt >= k, cand, t)
+        else:
+            t = _kth_key(key, k, LOW_BIT)
+        return t, walked
+
+    @triton.jit
+    def _min_and_count(
+        a: tl.tensor, count_a: tl.tensor, b: tl.tensor, count_b: tl.tensor
+    ) -> tuple[tl.tensor, tl.tensor]:
+        """Combine of a reduction to the smallest key and how many keys equal it."""
+        low = tl.minimum(a, b)
+        return low, tl.where(a == low, count_a, 0) + tl.where(b == low, count_b, 0)
+
+    @triton.jit
     def _store_top(key: tl.tensor, idx: tl.tensor, t: tl.tensor, k: tl.tensor, out_row: tl.tensor) -> None:
         """Store the k indices ranked first (``t`` the k-th largest key) ascending; ``idx`` is ascending."""
         # Everything above t is taken; ties at t fill the remaining slots in index order.
@@ -232,10 +325,11 @@ if HAS_TRITON:
         tl.store(out_row + slot, idx.to(tl.int16), mask=take)
 
     @triton.jit
-    def _kth_key_above(key: tl.tensor, k: tl.tensor, lo: tl.tensor) -> tl.tensor:
+    def _kth_key_above(key: tl.tensor, k: tl.tensor, lo: tl.tensor, WALK: tl.constexpr) -> tl.tensor:
         """The k-th largest key, given ``lo`` <= it: steps up through the distinct keys above ``lo``.
 
-        Each step costs two reductions; when many keys lie between ``lo`` and the answer, bisect instead.
+        Each step costs two reductions (``WALK``: one, the smallest key above and its count together);
+        when many keys lie between ``lo`` and the answer, bisect instead.
         """
         t = lo
         n_above = tl.sum((key > t).to(tl.int32), axis=0)
@@ -244,8 +338,13 @@ if HAS_TRITON:
         else:
             # Invariant: #{key >= t} >= k. Done when fewer than k keys lie above t.
             while n_above >= k:
-                t = tl.min(tl.where(key > t, key, 2147483647), axis=0)
-                n_above = tl.sum((key > t).to(tl.int32), axis=0)
+                if WALK:
+                    above = key > t
+                    t, n_at = tl.reduce((tl.where(above, key, 2147483647), above.to(tl.int32)), 0, _min_and_count)
+                    n_above -= n_at
+                else:
+                    t = tl.min(tl.where(key > t, key, 2147483647), axis=0)
+                    n_above = tl.sum((key > t).to(tl.int32), axis=0)
         return t
 
     @triton.jit
@@ -267,6 +366,7 @@ if HAS_TRITON:
         STAT: tl.constexpr,
         VEC: tl.constexpr,
         CAP: tl.constexpr,
+        WALK: tl.constexpr,
     ) -> None:
         """Select among the keys of the ``n_groups`` candidate groups (``cand``), gathered again by index."""
         # Ordered compaction of the candidate groups' numbers through this row's scratch: Triton cannot
@@ -280,8 +380,8 @@ if HAS_TRITON:
         valid = cpos < n_groups * VEC
         cidx = tl.load(scratch_row + cpos // VEC, mask=valid, other=0) * VEC + cpos % VEC
         cs = _load_scores(a_ptr, b_ptr, base + cidx, valid, 0.0, beta1, one_minus_b1, STAT)
-        ckey = tl.where(valid, _score_keys(cs, cidx, k_explore, offset, C, STAT == 0), -2147483648)
-        _store_top(ckey, cidx, _kth_key_above(ckey, k, lo), k, out_row)
+        ckey = tl.where(valid, _score_keys(cs, cidx, k_explore, offset, C, STAT == 0, WALK), -2147483648)
+        _store_top(ckey, cidx, _kth_key_above(ckey, k, lo, WALK), k, out_row)
 
     # k, k_explore and the window's offset are not specialized (docs/kernels.md, "Compile time"): they only enter
     # comparisons and the row's output address, whose stores are scattered; specialized, the density ramp would
@@ -303,19 +403,26 @@ if HAS_TRITON:
         VEC: tl.constexpr,
         CAP_GROUPS: tl.constexpr,
         LOW_BIT: tl.constexpr,
+        WALK: tl.constexpr,
+        SPLIT: tl.constexpr,
     ) -> None:
         # One program per chunk; the whole chunk (C <= 32768) lives in registers.
         row = tl.program_id(0).to(tl.int64)
         idx = tl.arange(0, C)
         s = _load_scores(a_ptr, b_ptr, row * C + idx, None, None, beta1, one_minus_b1, STAT)
-        key = _score_keys(s, idx, k_explore, offset, C, STAT == 0)
+        key = _score_keys(s, idx, k_explore, offset, C, STAT == 0, WALK)
         out_row = out_ptr + row * k
         if PREFILTER:
             # Groups of VEC adjacent keys (one vector load each, so their maxima need no shuffle). At
             # least k groups have a maximum >= lo, so at least k keys are >= lo: lo <= the k-th
             # largest key, and every key the selection takes lies in a group whose maximum is >= lo.
             gmax = tl.max(tl.reshape(key, (C // VEC, VEC)), axis=1)
-            lo = _kth_key(gmax, k, LOW_BIT)
+            if WALK:
+                # The window (k_explore adjacent indices, mod C) lies in at most this many groups.
+                n_window = tl.minimum(k_explore, (k_explore + VEC - 1) // VEC + 1)
+                lo, _ = _kth_key_walk(gmax, k, n_window, LOW_BIT, WALK_BINADES)
+            else:
+                lo = _kth_key(gmax, k, LOW_BIT)
             cand = gmax >= lo
             n_groups = tl.sum(cand.to(tl.int32), axis=0)
             if n_groups <= CAP_GROUPS:
@@ -337,17 +444,55 @@ if HAS_TRITON:
                     STAT,
                     VEC,
                     CAP_GROUPS * VEC,
+                    WALK,
                 )
+            elif SPLIT:
+                # Left to _select_rare_kernel: this chunk's row and lo, at the end of the list behind the
+                # scratch (its length in the word after the list).
+                rows = tl.num_programs(0)
+                rare_ptr = scratch_ptr + rows * CAP_GROUPS
+                at = tl.atomic_add(rare_ptr + 2 * rows, 1)
+                tl.store(rare_ptr + 2 * at, row.to(tl.int32))
+                tl.store(rare_ptr + 2 * at + 1, lo)
             else:
-                # Many keys at lo (ties, mostly): when fewer than k are above it, lo is the k-th largest.
-                n_above = tl.sum((key > lo).to(tl.int32), axis=0)
-                if n_above < k:
-                    t = lo
-                else:
-                    t = _kth_key(key, k, 0)
-                _store_top(key, idx, t, k, out_row)
+                _select_whole_chunk(key, idx, lo, k, out_row)
         else:
             _store_top(key, idx, _kth_key(key, k, 0), k, out_row)
+
+    @triton.jit
+    def _select_whole_chunk(key: tl.tensor, idx: tl.tensor, lo: tl.tensor, k: tl.tensor, out_row: tl.tensor) -> None:
+        """Select over the whole chunk, given ``lo`` <= the k-th largest key (too many candidate groups)."""
+        # Many keys at lo (ties, mostly): when fewer than k are above it, lo is the k-th largest.
+        n_above = tl.sum((key > lo).to(tl.int32), axis=0)
+        if n_above < k:
+            t = lo
+        else:
+            t = _kth_key(key, k, 0)
+        _store_top(key, idx, t, k, out_row)
+
+    @triton.jit(do_not_specialize=["k", "k_explore", "offset"])
+    def _select_rare_kernel(
+        a_ptr: tl.tensor,
+        b_ptr: tl.tensor,
+        out_ptr: tl.tensor,
+        rare_ptr: tl.tensor,
+        k: tl.tensor,
+        k_explore: tl.tensor,
+        offset: tl.tensor,
+        beta1: tl.tensor,
+        one_minus_b1: tl.tensor,
+        rows: tl.tensor,
+        C: tl.constexpr,
+        STAT: tl.constexpr,
+        WALK: tl.constexpr,
+    ) -> None:
+        # The chunks _select_kernel (SPLIT) listed, shared out among this launch's programs.
+        for i in range(tl.program_id(0), tl.load(rare_ptr + 2 * rows), tl.num_programs(0)):
+            row = tl.load(rare_ptr + 2 * i).to(tl.int64)
+            idx = tl.arange(0, C)
+            s = _load_scores(a_ptr, b_ptr, row * C + idx, None, None, beta1, one_minus_b1, STAT)
+            key = _score_keys(s, idx, k_explore, offset, C, STAT == 0, WALK)
+            _select_whole_chunk(key, idx, tl.load(rare_ptr + 2 * i + 1), k, out_ptr + row * k)
 
 
 class _SelectConfig(NamedTuple):
@@ -358,6 +503,8 @@ class _SelectConfig(NamedTuple):
     vec: int
     cap_groups: int
     low_bit: int
+    walk: bool = False
+    split: bool = False
 
 
 def _select_config(chunk_size: int, k: int, elem_bytes: int) -> _SelectConfig:
@@ -421,29 +568,47 @@ def _launch_select(
     if rows == 0:
         return out
     cfg = _select_config(C, k, a.element_size())
-    # Per-row scratch for the candidate groups' numbers (unused without the prefilter).
-    scratch = torch.empty(rows * cfg.cap_groups if cfg.prefilter else 1, dtype=torch.int32, device=a.device)
+    # The candidates change only the prefilter's path (the plain selection has no threshold search).
+    search = selected_kernel() if cfg.prefilter else "prefilter"
+    cfg = cfg._replace(walk=search in ("walk", "split"), split=search == "split")
+    # Per-row scratch for the candidate groups' numbers (unused without the prefilter); with the split, then
+    # the rare chunks' list (row, lo) and its length, which starts at 0.
+    size = rows * cfg.cap_groups + (2 * rows + 1 if cfg.split else 0) if cfg.prefilter else 1
+    scratch = torch.empty(size, dtype=torch.int32, device=a.device)
+    if cfg.split:
+        scratch[-1:].zero_()
+    args = (k, k_explore, explore_offset % C, float(beta1), 1.0 - beta1)
+    # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
     _select_kernel[(rows,)](
         a,
         b,
         out,
         scratch,
-        k,
-        k_explore,
-        explore_offset % C,
-        float(beta1),
-        1.0 - beta1,
+        *args,
         C=C,
         STAT=stat,
         PREFILTER=cfg.prefilter,
         VEC=cfg.vec,
         CAP_GROUPS=cfg.cap_groups,
         LOW_BIT=cfg.low_bit,
+        WALK=cfg.walk,
+        SPLIT=cfg.split,
         num_warps=cfg.num_warps,
-        # No fp contraction: every op rounds on its own as in the ref (its fmas are explicit tl.fma).
         enable_fp_fusion=False,
     )
+    if cfg.split:
+        rare = scratch[rows * cfg.cap_groups :]
+        _select_rare_kernel[(min(rows, _rare_programs(a.device)),)](
+            a, b, out, rare, *args, rows, C=C, STAT=stat, WALK=cfg.walk, num_warps=cfg.num_warps, enable_fp_fusion=False
+        )
     return out
+
+
+def _rare_programs(device: torch.device) -> int:
+    """Programs of ``_select_rare_kernel``: a few per SM on a GPU (most launches find no chunk to take)."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 @signature_of(chunk_topk_ref)
