@@ -8,7 +8,7 @@ Three parts, run one after the other (two cores: runs side by side slow each oth
     python -m benchmarks.adamw_conversion --report           # rewrite the tables and plots from OUT/runs.jsonl
 
 ``--part optimizer`` trains each workload with ``torch.optim.AdamW``, with the AdamS that SCAPE converts it to
-(``lightning_scape.wiring.optimizer.to_adams``: same learning rate, betas, eps and weight decay), and with AdamS as
+(``lightning_scape.runtime.optimizer.to_adams``: same learning rate, betas, eps and weight decay), and with AdamS as
 it was before its normaliser was bias-corrected (:class:`PreviousAdamS`, kept here as the reference of what
 users got), over the grid users pass: betas (0.9, 0.999) (torch's default) and (0.9, 0.95) (the LLM convention),
 learning rates 1e-4 to 3e-3, without and with a linear learning-rate warm-up over the first tenth of the run,
@@ -56,7 +56,7 @@ from benchmarks.quality import GIVEN_LINKS, GivenLinkPilot
 from benchmarks.user_models import WORKLOADS, Workload
 from lightning_scape import ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
-from lightning_scape.wiring.optimizer import to_adams
+from lightning_scape.runtime.optimizer import to_adams
 
 WORLD_SIZE = 2
 LRS = (1e-4, 3e-4, 1e-3, 3e-3)

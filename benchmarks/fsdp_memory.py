@@ -169,7 +169,7 @@ def _one_step(model: nn.Module, step: Any) -> None:
 
 def _measure_scape_fsdp() -> dict[str, int]:
     from lightning_scape import AdamS, ScapeConfig
-    from lightning_scape.wiring import fsdp
+    from lightning_scape.runtime import fsdp
 
     grid = fsdp.shard_grid(W, S, S, dist.get_rank())
     mesh = fsdp.build_mesh("cpu", grid)

@@ -19,14 +19,13 @@ from lightning_scape.engine.form_switch import set_default_pilot
 from lightning_scape.planning.pilot import FormPilot
 from lightning_scape.registration import register_with_lightning
 from lightning_scape.simulation import simulate
+from lightning_scape.warnings import DenseWarmupWarning, OneProcessWarning
 
 if TYPE_CHECKING:
     from lightning_scape import pytorch
     from lightning_scape.fabric import ScapeFSDPStrategy, ScapeStrategy
     from lightning_scape.pytorch.monitors import CommunicationMonitor, MaskMonitor
-    from lightning_scape.wiring.optimizer import ScapeOptimizer
-    from lightning_scape.wiring.setup_checks import OneProcessWarning
-    from lightning_scape.wiring.warmup_notice import DenseWarmupWarning
+    from lightning_scape.runtime.optimizer import ScapeOptimizer
 
 # Where a ScapeConfig leaves the wire format and the density unset, the engine chooses them with this pilot.
 set_default_pilot(FormPilot)
@@ -38,9 +37,7 @@ _LIGHTNING_NAMES: dict[str, str] = {
     "ScapeFSDPStrategy": "lightning_scape.fabric",
     "CommunicationMonitor": "lightning_scape.pytorch.monitors",
     "MaskMonitor": "lightning_scape.pytorch.monitors",
-    "ScapeOptimizer": "lightning_scape.wiring.optimizer",
-    "OneProcessWarning": "lightning_scape.wiring.setup_checks",
-    "DenseWarmupWarning": "lightning_scape.wiring.warmup_notice",
+    "ScapeOptimizer": "lightning_scape.runtime.optimizer",
 }
 
 

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from lightning_scape.wiring import registry
+from lightning_scape.runtime import registry
 
 # Lightning's package: the module of its strategy registry, the registry's name there, and SCAPE's adapter for it.
 ADAPTERS: dict[str, tuple[str, str, str]] = {

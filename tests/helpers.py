@@ -3,7 +3,7 @@ the engine's reference runs, and the registry of the strategy tests' multi-proce
 
 Sections: equality; the tiny net; a text corpus; processes (gloo groups, worker scripts, saved outputs);
 the engine on the tiny net (``test_engine``, ``test_engine_dist``); the strategies on the tiny net
-(``test_strategy_trainer``, ``test_strategy_fabric``, ``test_monitors``, ``test_wiring``).
+(``test_strategy_trainer``, ``test_strategy_fabric``, ``test_monitors``, ``test_runtime``).
 """
 
 from __future__ import annotations

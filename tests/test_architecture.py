@@ -13,14 +13,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module may import from a lower layer, and from its own folder; never upwards or sideways
-# (the Fabric and the Trainer adapters share code only through wiring/).
+# (the Fabric and the Trainer adapters share code only through runtime/).
 LAYERS: list[set[str]] = [
     {"kernels"},
-    {"config", "adams"},
+    {"config", "adams", "warnings"},
     {"comm"},
     {"engine"},
     {"simulation", "planning"},  # planning: lightning-scape estimate (config, comm and engine; no strategy)
-    {"wiring"},
+    {"runtime"},
     {"fabric", "pytorch", "registration"},  # registration: imports the adapters when Lightning loads
     {"litgpt"},
     {"examples"},

@@ -51,8 +51,8 @@ from lightning_scape.comm import Communicator
 from lightning_scape.examples.workloads import free_port
 from lightning_scape.kernels import mask_positions
 from lightning_scape.pytorch import ScapeFSDPStrategy as TrainerFSDPStrategy
-from lightning_scape.wiring import run_summary
-from lightning_scape.wiring.fsdp import DTENSOR_CPU_INIT_WARNING
+from lightning_scape.runtime import run_summary
+from lightning_scape.runtime.fsdp import DTENSOR_CPU_INIT_WARNING
 
 pytestmark = pytest.mark.dist
 

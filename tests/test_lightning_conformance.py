@@ -68,8 +68,8 @@ from lightning_scape.comm.wire import all_reduce_bytes
 from lightning_scape.examples.workloads import free_port
 from lightning_scape.kernels import mask_positions
 from lightning_scape.pytorch import ScapeStrategy
-from lightning_scape.wiring import checkpoint_protocol, engine_setup
-from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
+from lightning_scape.runtime import checkpoint_protocol, engine_setup
+from lightning_scape.runtime.optimizer import ScapeOptimizer, to_adams
 
 LAUNCH = "items_2_to_9"
 

@@ -202,7 +202,7 @@ def test_resume_with_changed_scape_settings_is_refused_before_launch_naming_the_
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from lightning_scape.litgpt.pretrain import check_resume
-    from lightning_scape.wiring.checkpoint_protocol import make_stub
+    from lightning_scape.runtime.checkpoint_protocol import make_stub
 
     saved = parse(["--config", DEBUG])[1]["scape"]
     ckpt = tmp_path / "out" / "step-00000020" / "lit_model.pth"

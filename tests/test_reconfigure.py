@@ -13,7 +13,7 @@ from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.engine.state import check_config
 from lightning_scape.kernels import mask_positions
-from lightning_scape.wiring.run_traffic import mask_bytes, sparse_step_bytes
+from lightning_scape.planning.run_traffic import mask_bytes, sparse_step_bytes
 
 OLD = ScapeConfig(density=0.05, chunk_size=64, dense_warmup_steps=0, exploration=0.25)
 NEW = OLD.replace(density=0.2, exploration=0.1)

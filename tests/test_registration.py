@@ -54,7 +54,7 @@ def test_the_algorithm_imports_without_lightning() -> None:
         "import lightning\nimport lightning_scape\n",
         "import lightning_scape.engine\nimport lightning.fabric\nimport lightning_scape\nimport lightning.pytorch\n",
         # a module of the package that imports Lightning: Lightning loads while that module is half-loaded
-        "import lightning_scape.wiring.warmup_notice\n",
+        "import lightning_scape.runtime.warmup_notice\n",
     ],
     ids=["package-first", "lightning-first", "fabric-between", "from-inside-the-package"],
 )

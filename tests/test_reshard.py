@@ -20,7 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.kernels import mask_positions, select_mask
-from lightning_scape.wiring import checkpoint_protocol
+from lightning_scape.runtime import checkpoint_protocol
 
 # Several buckets (bucket_cap_mb ~ 1.5k fp64 values), chunks of 64 with 3 slots, a warm-up of 2 steps and a
 # density ramp over steps 3..5, so a resume after step 4 lands mid-ramp.

@@ -1,4 +1,4 @@
-"""The end-of-run summary (``wiring/run_summary.py``): its phases are the engine's own, its bytes the engine's counts,
+"""The end-of-run summary (``runtime/run_summary.py``): its phases are the engine's own, its bytes the engine's counts,
 and a strategy says it once. (The strategies' summaries at the end of real runs: ``test_strategy_trainer`` and
 ``test_strategy_fabric``.)"""
 
@@ -13,7 +13,7 @@ from helpers import make_net, rank_zero_messages
 
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
-from lightning_scape.wiring import run_summary
+from lightning_scape.runtime import run_summary
 
 
 def _run(config: ScapeConfig, steps: int, world_size: int = 2) -> tuple[ScapeEngine, list[dict[str, Any]]]:

@@ -12,8 +12,9 @@ from helpers import make_net
 
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
-from lightning_scape.wiring import warmup_notice
-from lightning_scape.wiring.run_traffic import run_bytes
+from lightning_scape.planning.run_traffic import run_bytes
+from lightning_scape.runtime import warmup_notice
+from lightning_scape.warnings import DenseWarmupWarning
 
 
 def _counted(cfg: ScapeConfig, steps: int) -> tuple[list[Any], float, int]:
@@ -65,7 +66,7 @@ def _notice(cfg: ScapeConfig, steps: float, syntax: warmup_notice.Syntax = "pyth
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warmup_notice.WarmupNotice().before_run(cfg, steps, _layout(), 2, syntax)
-    return [str(w.message) for w in caught if w.category is warmup_notice.DenseWarmupWarning]
+    return [str(w.message) for w in caught if w.category is DenseWarmupWarning]
 
 
 def test_a_run_that_ends_inside_the_ramp_is_told_the_bytes_and_a_schedule_that_fits() -> None:

@@ -17,7 +17,7 @@ import torch
 from helpers import HERE, PYTHON, child_env
 
 from lightning_scape.examples.workloads import free_port
-from lightning_scape.wiring.checkpoint_protocol import STUB_REFUSAL
+from lightning_scape.runtime.checkpoint_protocol import STUB_REFUSAL
 
 pytestmark = pytest.mark.dist
 

@@ -48,7 +48,7 @@ from lightning.fabric.plugins.precision.amp import MixedPrecision
 
 from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig, ScapeStrategy
 from lightning_scape.examples.workloads import free_port
-from lightning_scape.wiring import run_summary
+from lightning_scape.runtime import run_summary
 
 pytestmark = pytest.mark.dist
 
@@ -173,7 +173,7 @@ def test_registered_name_with_default_configuration(fabric_runs: str) -> None:
 
 def test_a_short_run_at_the_defaults_is_not_warned_its_dense_steps_measure_the_link(fabric_runs: str) -> None:
     # Where SCAPE chooses its form its first steps are dense on purpose; a fixed form's run that ends in its
-    # warm-up is warned (test_wiring).
+    # warm-up is warned (test_runtime).
     assert all(not o["warmup_warnings"] for o in runs(fabric_runs, "f_default") + runs(fabric_runs, "f_main"))
 
 

@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader
 from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig
 from lightning_scape.examples.workloads import free_port
 from lightning_scape.pytorch import ScapeStrategy
-from lightning_scape.wiring import run_summary
+from lightning_scape.runtime import run_summary
 
 pytestmark = pytest.mark.dist
 
@@ -257,7 +257,7 @@ def test_registered_name_with_default_configuration(trainer_runs: str) -> None:
 
 def test_a_short_fit_at_the_defaults_is_not_warned_its_dense_steps_measure_the_link(trainer_runs: str) -> None:
     # Where SCAPE chooses its form, its first steps are dense on purpose (test_lightning_conformance's item 3 and
-    # test_wiring check the warning of a fixed form that never leaves its warm-up); the summary says what they did.
+    # test_runtime check the warning of a fixed form that never leaves its warm-up); the summary says what they did.
     assert all(not o["warmup_warnings"] for o in runs(trainer_runs, "default") + runs(trainer_runs, "main"))
     (summary,) = runs(trainer_runs, "default")[0]["summaries"]
     assert "steps:         2, in the forms SCAPE chose: fp32 dense 1-2, measuring the link" in summary
@@ -478,7 +478,7 @@ def resume_with_a_new_density_on_purpose(outdir: str) -> None:
 
 def test_a_new_density_on_purpose_resumes_and_sends_the_new_densitys_bytes(trainer_runs: str) -> None:
     from lightning_scape.engine.layout import Bucket
-    from lightning_scape.wiring.run_traffic import sparse_step_bytes
+    from lightning_scape.planning.run_traffic import sparse_step_bytes
 
     layout = [
         Bucket(0, 0, torch.float32, torch.device("cpu"), numel=n, padded_numel=p, world_size=2, chunk_size=c)

@@ -52,7 +52,7 @@ from lightning_scape.examples.workloads import (
     validation_batch_losses,
     weight_decay_groups,
 )
-from lightning_scape.wiring import fsdp
+from lightning_scape.runtime import fsdp
 
 # The model is one of lightning_scape.examples.workloads.MODEL_PRESETS (WorkerSpec.model names it). "base" is what the
 # published W = 2 numbers use: on this 2-core VM one rank's step on 4 x 128 tokens takes 0.40-0.43 s

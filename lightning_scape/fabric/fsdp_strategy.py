@@ -1,8 +1,8 @@
 """``ScapeFSDPStrategy`` for Lightning Fabric: FSDP2 inside each group of ``shard_size`` processes, SCAPE across.
 
 A thin adapter over Lightning's ``ModelParallelStrategy`` (FSDP2); what it shares with the Trainer's form
-(``lightning_scape/pytorch/fsdp_strategy.py``) lives in :mod:`lightning_scape.wiring.fsdp` and
-:mod:`lightning_scape.wiring.fsdp_checkpoint`. Design and measurements: ``docs/fsdp.md``.
+(``lightning_scape/pytorch/fsdp_strategy.py``) lives in :mod:`lightning_scape.runtime.fsdp` and
+:mod:`lightning_scape.runtime.fsdp_checkpoint`. Design and measurements: ``docs/fsdp.md``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
+from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.fabric.set_up_objects import SetUpObjects
-from lightning_scape.wiring import engine_setup, fsdp, fsdp_checkpoint, rank_failures, registry, setup_checks
-from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
-from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
-from lightning_scape.wiring.run_notices import RunNotices
+from lightning_scape.runtime import engine_setup, fsdp, fsdp_checkpoint, registry, setup_checks
+from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
+from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.runtime.run_notices import RunNotices
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
@@ -261,7 +262,7 @@ class ScapeFSDPStrategy(SetUpObjects, RunNotices, ModelParallelStrategy):
         """Restore a checkpoint folder; everything is read and checked on every rank before anything is loaded.
 
         ``fabric.load_raw(path, model)`` loads a plain, whole-model state dict file into the sharded model, as
-        Lightning's ``ModelParallelStrategy`` does (:func:`~lightning_scape.wiring.fsdp_checkpoint.load_full_state`).
+        Lightning's ``ModelParallelStrategy`` does (:func:`~lightning_scape.runtime.fsdp_checkpoint.load_full_state`).
         """
         if isinstance(state, Module):
             fsdp_checkpoint.load_full_state(Path(self.broadcast(str(path))), state, strict, weights_only)

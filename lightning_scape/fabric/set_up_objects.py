@@ -8,7 +8,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
+from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 
 
 class SetUpObjects:

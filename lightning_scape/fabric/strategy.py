@@ -2,7 +2,7 @@
 
 A thin adapter: the engine (:mod:`lightning_scape.engine`) holds the algorithm; what this strategy
 shares with the Trainer's (``lightning_scape/pytorch/strategy.py``) lives in
-:mod:`lightning_scape.wiring`, one module per concern.
+:mod:`lightning_scape.runtime`, one module per concern.
 """
 
 from __future__ import annotations
@@ -27,19 +27,19 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
+from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.fabric.set_up_objects import SetUpObjects
-from lightning_scape.wiring import (
+from lightning_scape.runtime import (
     checkpoint_protocol,
     engine_setup,
     loss_scaling,
-    rank_failures,
     registry,
     setup_checks,
 )
-from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
-from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
-from lightning_scape.wiring.run_notices import RunNotices
+from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
+from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.runtime.run_notices import RunNotices
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
@@ -52,7 +52,7 @@ class ScapeStrategy(SetUpObjects, RunNotices, DDPStrategy):
     in Lightning's ``DDPStrategy``, but the model is not wrapped in ``DistributedDataParallel``: gradients
     travel through the SCAPE engine (one sparse collective per step after the dense warm-up), and the
     optimizer returned by ``fabric.setup`` / ``fabric.setup_optimizers`` is a
-    :class:`~lightning_scape.wiring.optimizer.ScapeOptimizer` whose ``step`` is the engine's step. The optimizer
+    :class:`~lightning_scape.runtime.optimizer.ScapeOptimizer` whose ``step`` is the engine's step. The optimizer
     you create must be :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``torch.optim.Adam`` (the
     last two are converted to AdamS with the same hyperparameters).
 
@@ -362,7 +362,7 @@ def _load_plan(
         run: The strategy's run settings.
 
     Returns:
-        The plan for :func:`~lightning_scape.wiring.checkpoint_protocol.read_and_check`.
+        The plan for :func:`~lightning_scape.runtime.checkpoint_protocol.read_and_check`.
     """
     return checkpoint_protocol.LoadPlan(
         stubs={k: checkpoint.get(k) for k in scape},

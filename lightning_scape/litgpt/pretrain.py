@@ -37,8 +37,8 @@ from litgpt.args import EvalArgs, LogArgs, TrainArgs
 
 from lightning_scape.config import REMOVED_OPTIONS, ScapeConfig
 from lightning_scape.litgpt.litgpt_adaptations import litgpt_adapted
-from lightning_scape.wiring.options import DEFAULT_TIMEOUT, RunSettings
-from lightning_scape.wiring.run_summary import summary_line, summary_lines
+from lightning_scape.runtime.options import DEFAULT_TIMEOUT, RunSettings
+from lightning_scape.runtime.run_summary import summary_line, summary_lines
 
 if TYPE_CHECKING:
     import lightning as L
@@ -517,7 +517,7 @@ def check_resume(
     from litgpt.utils import find_resume_path
 
     from lightning_scape.engine.state import check_config, config_changes
-    from lightning_scape.wiring.checkpoint_protocol import is_scape_stub
+    from lightning_scape.runtime.checkpoint_protocol import is_scape_stub
 
     try:
         path = find_resume_path(resume, out_dir)

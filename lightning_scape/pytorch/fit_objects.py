@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers
+from lightning_scape.runtime.optimizer import ScapeOptimizer, scape_optimizers
 
 
 class FitObjects:

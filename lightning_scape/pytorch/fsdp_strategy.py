@@ -1,8 +1,8 @@
 """``ScapeFSDPStrategy`` for the Lightning Trainer: FSDP2 inside each group of ``shard_size`` processes, SCAPE across.
 
 A thin adapter over Lightning's ``ModelParallelStrategy`` (FSDP2); what it shares with the Fabric form
-(``lightning_scape/fabric/fsdp_strategy.py``) lives in :mod:`lightning_scape.wiring.fsdp` and
-:mod:`lightning_scape.wiring.fsdp_checkpoint`. Design and measurements: ``docs/fsdp.md``.
+(``lightning_scape/fabric/fsdp_strategy.py``) lives in :mod:`lightning_scape.runtime.fsdp` and
+:mod:`lightning_scape.runtime.fsdp_checkpoint`. Design and measurements: ``docs/fsdp.md``.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
+from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.pytorch.fit_objects import FitObjects
 from lightning_scape.pytorch.strategy import planned_steps
-from lightning_scape.wiring import engine_setup, fsdp, fsdp_checkpoint, rank_failures, registry, setup_checks
-from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
-from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
-from lightning_scape.wiring.run_notices import RunNotices
+from lightning_scape.runtime import engine_setup, fsdp, fsdp_checkpoint, registry, setup_checks
+from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
+from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.runtime.run_notices import RunNotices
 
 
 class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):

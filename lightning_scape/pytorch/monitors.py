@@ -32,7 +32,7 @@ from lightning_scape.comm import TRAFFIC_KINDS
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.kernels import mask_positions
 from lightning_scape.planning.pilot import FormPilot
-from lightning_scape.wiring.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
+from lightning_scape.runtime.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
 
 
 class _Aggregates:

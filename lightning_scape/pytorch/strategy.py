@@ -2,7 +2,7 @@
 
 A thin adapter: the engine (:mod:`lightning_scape.engine`) holds the algorithm; what this strategy
 shares with the Fabric's (``lightning_scape/fabric/strategy.py``) lives in
-:mod:`lightning_scape.wiring`, one module per concern.
+:mod:`lightning_scape.runtime`, one module per concern.
 """
 
 from __future__ import annotations
@@ -29,20 +29,20 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
+from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.pytorch.fit_objects import FitObjects
-from lightning_scape.wiring import (
+from lightning_scape.runtime import (
     checkpoint_protocol,
     engine_setup,
     local_grads,
     loss_scaling,
-    rank_failures,
     registry,
     setup_checks,
 )
-from lightning_scape.wiring.optimizer import ScapeOptimizer, unwrap_optimizer
-from lightning_scape.wiring.options import RunSettings, resolve_config, strategy_options_doc
-from lightning_scape.wiring.run_notices import RunNotices
+from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
+from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.runtime.run_notices import RunNotices
 
 
 class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
@@ -296,7 +296,7 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
             checkpoint: The main checkpoint file's contents.
 
         Returns:
-            The plan for :func:`~lightning_scape.wiring.checkpoint_protocol.read_checkpoint`: nothing to check when
+            The plan for :func:`~lightning_scape.runtime.checkpoint_protocol.read_checkpoint`: nothing to check when
             not fitting (validate/test/predict) or for a weights-only checkpoint.
         """
         module = self.lightning_module

@@ -9,12 +9,10 @@ from typing import Any
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_scape.warnings import OneProcessWarning
+
 # Lightning's precisions that keep the weights, and so the engine's residual and AdamS's state, in 16 bits.
 LOW_PRECISIONS = ("bf16-true", "16-true")
-
-
-class OneProcessWarning(UserWarning):
-    """A SCAPE strategy running a single process: it communicates nothing (filter it by category)."""
 
 
 def refuse_low_precision(plugin: Any) -> None:

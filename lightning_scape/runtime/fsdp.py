@@ -44,8 +44,8 @@ from lightning_scape.adams import AdamS
 from lightning_scape.comm import Communicator, FaultNamingCommunicator, SoloCommunicator
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring.engine_setup import describe_engine, logged_pilot
-from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
+from lightning_scape.runtime.engine_setup import describe_engine, logged_pilot
+from lightning_scape.runtime.optimizer import ScapeOptimizer, to_adams
 
 WrapPolicy = set[type[Module]] | Callable[[Module], bool]
 
@@ -399,7 +399,7 @@ def build_fsdp_scape_optimizer(
 
 
 def describe_shard_engine(engine: ScapeEngine, grid: ShardGrid, model_numel: int) -> str:
-    """The start-up line of ``ScapeStrategy`` (:func:`~lightning_scape.wiring.engine_setup.describe_engine`) for one
+    """The start-up line of ``ScapeStrategy`` (:func:`~lightning_scape.runtime.engine_setup.describe_engine`) for one
     rank's engine of ``ScapeFSDPStrategy``: the groups SCAPE runs across, and the rank's shard of the model."""
     subject = (
         f"SCAPE on each rank's shard of the {model_numel:,} parameters, across {grid.replicas} "

@@ -4,7 +4,7 @@
 tensors of its sharded parameters, its buffers) and its SCAPE optimizer state (momentum, residual, masks of its
 shard). ``<path>/meta.pt``, written by rank 0, holds the layout that wrote it (world size, ``shard_size``) and
 everything else the user saved. Loading reads and checks everything on every rank, and the ranks agree on the
-outcome (:func:`~lightning_scape.wiring.rank_failures.agree`), before anything is loaded: a checkpoint from
+outcome (:func:`~lightning_scape.comm.rank_failures.agree`), before anything is loaded: a checkpoint from
 another layout is refused with the way to resume it.
 
 A plain, whole-model state dict in one file (``torch.save(model.state_dict(), path)``, a model written by another
@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_scape.wiring.fsdp import ShardGrid
-from lightning_scape.wiring.optimizer import ScapeOptimizer
-from lightning_scape.wiring.rank_failures import agree, agreed
+from lightning_scape.comm.rank_failures import agree, agreed
+from lightning_scape.runtime.fsdp import ShardGrid
+from lightning_scape.runtime.optimizer import ScapeOptimizer
 
 FORMAT = "scape_fsdp"
 VERSION = 1

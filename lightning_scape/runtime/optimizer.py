@@ -19,8 +19,8 @@ from torch.optim import Optimizer
 
 from lightning_scape.adams import AdamS
 from lightning_scape.engine import ScapeEngine
-from lightning_scape.wiring.local_grads import GRADS_WRITTEN_AFTER_SEND
-from lightning_scape.wiring.lr_notices import ConvertedLrNotices
+from lightning_scape.runtime.local_grads import GRADS_WRITTEN_AFTER_SEND
+from lightning_scape.runtime.lr_notices import ConvertedLrNotices
 
 _CONVERTIBLE = (torch.optim.AdamW, torch.optim.Adam)
 

@@ -8,7 +8,7 @@ states. The save id ties the rank files to their main file, and puts it in their
 have names of their own, so loaders that cache remote files by name (``torch.hub`` for ``http://``) never
 hand back another checkpoint's file. Files of format 1 (``rank-XXXXX.pt``, no id in the name) are still
 read. Loading reads and checks everything before anything is loaded, and all ranks agree on the outcome
-(:func:`~lightning_scape.wiring.rank_failures.agree`: rank 0 reports a failure, once), so no rank goes on alone.
+(:func:`~lightning_scape.comm.rank_failures.agree`: rank 0 reports a failure, once), so no rank goes on alone.
 On another world size than the one that wrote the checkpoint, every rank reads all the rank files, one at a
 time, and re-shards them into its own state
 (:func:`load_rank_states`).
@@ -37,13 +37,13 @@ from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 
+from lightning_scape.comm.rank_failures import agree
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine.state import check_config, config_changes
-from lightning_scape.wiring.rank_failures import agree
 
 if TYPE_CHECKING:
     from lightning_scape.engine import ScapeEngine
-    from lightning_scape.wiring.optimizer import ScapeOptimizer
+    from lightning_scape.runtime.optimizer import ScapeOptimizer
 
 # Format 2: the rank files' names hold the save id (format 1: ``rank-XXXXX.pt``, still read).
 CHECKPOINT_FORMAT = 2

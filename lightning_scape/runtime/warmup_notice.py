@@ -15,17 +15,14 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_scape.config import DENSE_ABOVE, DENSE_FOREVER, ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.engine.layout import Bucket
-from lightning_scape.wiring.run_traffic import run_bytes
+from lightning_scape.planning.run_traffic import run_bytes
+from lightning_scape.warnings import DenseWarmupWarning
 
 # "python": ScapeStrategy(name=value, ...); "cli": lightning-scape pretrain's --scape.name value.
 Syntax = Literal["python", "cli"]
 # A run on the default schedule that sends more than this fraction of DDP's bytes is told of one that fits it.
 MAX_FRACTION_OF_DDP = 0.25
 _DEFAULT_SCHEDULE = (ScapeConfig().dense_warmup_steps, ScapeConfig().density_ramp_steps)
-
-
-class DenseWarmupWarning(UserWarning):
-    """The warning of :class:`WarmupNotice`: a schedule that does not fit the run (filter it by category)."""
 
 
 class WarmupNotice:

@@ -1,4 +1,4 @@
-"""In-process tests of what both strategies share (``lightning_scape.wiring``) and the engine
+"""In-process tests of what both strategies share (``lightning_scape.runtime``) and the engine
 support they use (fp16 unscaling and skipping, the early global norm, state checks). No process group needed."""
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import lightning_scape
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, ScapeOptimizer, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.config import OPTION_NAMES, ScapeOptions
-from lightning_scape.wiring import checkpoint_protocol, engine_setup, warmup_notice
-from lightning_scape.wiring.lr_notices import CONSTANT_LR_STEPS, ConvertedLrNotices
-from lightning_scape.wiring.optimizer import to_adams
+from lightning_scape.runtime import checkpoint_protocol, engine_setup, warmup_notice
+from lightning_scape.runtime.lr_notices import CONSTANT_LR_STEPS, ConvertedLrNotices
+from lightning_scape.runtime.optimizer import to_adams
+from lightning_scape.warnings import DenseWarmupWarning
 
 CFG = ScapeConfig(**SCAPE)
 
@@ -420,7 +421,7 @@ def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None
         notice.before_run(default, 30.0)  # the Trainer knows the length: the warning comes before the first step
         notice.after_run(_stepped_engine(default, 30))
     (message,) = [str(w.message) for w in before]
-    assert [w.category for w in before] == [warmup_notice.DenseWarmupWarning]  # what the demo's dense baseline filters
+    assert [w.category for w in before] == [DenseWarmupWarning]  # what the demo's dense baseline filters
     assert "30 optimizer steps" in message and "dense_warmup_steps=30" in message
     assert "the first 120 of density_ramp_steps=400" in message
     assert "ScapeStrategy(dense_warmup_steps=1, density_ramp_steps=12)" in message
@@ -447,7 +448,7 @@ def test_a_run_inside_its_dense_warmup_is_told_once_before_or_after_it() -> None
         warmup_notice.WarmupNotice().before_run(int8_dense, 30.0)
         warmup_notice.WarmupNotice().after_run(_stepped_engine(int8_dense, 30))
     # With the int8 wire, a run that ends in the ramp's dense steps is still told.
-    with pytest.warns(warmup_notice.DenseWarmupWarning, match="40 optimizer steps"):
+    with pytest.warns(DenseWarmupWarning, match="40 optimizer steps"):
         warmup_notice.WarmupNotice().before_run(default.replace(wire_format="int8"), 40.0)
 
 
@@ -475,7 +476,7 @@ def test_where_scape_chooses_the_form_the_engine_line_says_what_it_measures_and_
 
 def test_an_adams_subclass_without_its_own_step_is_accepted_whatever_torch_wrapped() -> None:
     """torch's Optimizer.__init__ may assign a profiling wrapper of the inherited step to the subclass itself."""
-    from lightning_scape.wiring.optimizer import _overrides_step
+    from lightning_scape.runtime.optimizer import _overrides_step
 
     class Plain(AdamS):
         pass

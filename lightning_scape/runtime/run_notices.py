@@ -5,8 +5,8 @@ notice of one that never left its dense steps and the run's summary."""
 from __future__ import annotations
 
 from lightning_scape.config import ScapeConfig
-from lightning_scape.wiring.run_summary import RunSummary
-from lightning_scape.wiring.warmup_notice import Syntax, WarmupNotice, call_at_exit
+from lightning_scape.runtime.run_summary import RunSummary
+from lightning_scape.runtime.warmup_notice import Syntax, WarmupNotice, call_at_exit
 
 
 class RunNotices(RunSummary):

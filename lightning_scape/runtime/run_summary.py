@@ -18,7 +18,7 @@ from lightning_scape.config import DENSE_ABOVE, ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.planning.forms import FP32_DENSE
 from lightning_scape.planning.pilot import FormPilot
-from lightning_scape.wiring.optimizer import ScapeOptimizer
+from lightning_scape.runtime.optimizer import ScapeOptimizer
 
 # The labels of the summary's lines are padded to this width, so that their texts line up.
 LABEL_WIDTH = 15

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import lightning_scape
-from lightning_scape.wiring import fsdp
+from lightning_scape.runtime import fsdp
 
 
 def test_the_grid_puts_consecutive_ranks_in_a_group() -> None:

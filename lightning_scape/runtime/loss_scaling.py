@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_scape.wiring.optimizer import ScapeOptimizer
+from lightning_scape.runtime.optimizer import ScapeOptimizer
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler

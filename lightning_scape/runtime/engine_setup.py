@@ -16,8 +16,8 @@ from lightning_scape.config import ScapeConfig, first_decision_step
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.planning import forms
 from lightning_scape.planning.pilot import Decision, FormPilot
-from lightning_scape.wiring.optimizer import ScapeOptimizer, to_adams
-from lightning_scape.wiring.options import RunSettings
+from lightning_scape.runtime.optimizer import ScapeOptimizer, to_adams
+from lightning_scape.runtime.options import RunSettings
 
 if TYPE_CHECKING:
     from torch.amp import GradScaler
