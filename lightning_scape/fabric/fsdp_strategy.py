@@ -40,27 +40,8 @@ if TYPE_CHECKING:
 class ScapeFSDPStrategy(SetUpObjects, RunNotices, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Fabric(strategy=ScapeFSDPStrategy(density=0.01))``.
 
-    The W processes form R = W / ``shard_size`` groups of ``shard_size`` consecutive ranks (one node each by
-    default). Inside a group the model is sharded with FSDP2 (``fully_shard``, every block of
-    ``auto_wrap_policy`` one unit); across the groups the SCAPE engine synchronises each rank's shard with the
-    ranks of the other groups that hold the same shard: one sparse collective per step after the warm-up, on
-    the slow inter-node links, while FSDP's all-gather and reduce-scatter stay on the fast links inside the node.
-    Parameters, gradients and the residual are sharded S ways, the momentum S x R ways (``docs/fsdp.md``).
-
-    Usage (create the optimizer after the model is set up, as with every FSDP2 strategy)::
-
-        model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(AdamS(model.parameters(), lr=3e-4))
-
-    ``fabric.setup(model, optimizer)`` works too. Supported: ``fabric.no_backward_sync`` (nothing is sent on
-    accumulating micro-batches, not even inside the node), ``fabric.clip_gradients`` (by the global norm over all
-    shards, or by value), precision ``"32-true"``, ``"bf16-mixed"`` and ``"bf16-true"``, meta-device
-    initialisation (``fabric.init_module(empty_init=True)``), ``fabric.save`` / ``fabric.load`` of a sharded
-    checkpoint folder that resumes bitwise (onto the same number of processes and ``shard_size``), and
-    ``fabric.load_raw(path, model)`` of a plain, whole-model state dict file (each rank loads its shard).
-
-    As ``ScapeStrategy``, rank 0 logs what SCAPE will do at set-up (on each rank's shard, across the groups), and
-    what it did at the end of the run (:meth:`run_summary`; at ``strategy.teardown()``, or when the process exits).
+    Create the optimizer after ``fabric.setup_module(model)``, as with every FSDP2 strategy. The groups, what is
+    sharded, what works and the checkpoint folders: ``docs/fsdp.md``.
 
     Args:
         shard_size: S, the processes that shard one model copy between them; default: the processes of one node.

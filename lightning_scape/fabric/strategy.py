@@ -48,31 +48,10 @@ if TYPE_CHECKING:
 class ScapeStrategy(SetUpObjects, RunNotices, DDPStrategy):
     """SCAPE sparse data parallelism for Fabric: ``Fabric(strategy=ScapeStrategy(density=0.01))``.
 
-    Processes, devices and multi-node clusters (torchrun, SLURM, ``MASTER_ADDR``/``NODE_RANK``, ...) work as
-    in Lightning's ``DDPStrategy``, but the model is not wrapped in ``DistributedDataParallel``: gradients
-    travel through the SCAPE engine (one sparse collective per step after the dense warm-up), and the
-    optimizer returned by ``fabric.setup`` / ``fabric.setup_optimizers`` is a
-    :class:`~lightning_scape.runtime.optimizer.ScapeOptimizer` whose ``step`` is the engine's step. The optimizer
-    you create must be :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``torch.optim.Adam`` (the
-    last two are converted to AdamS with the same hyperparameters).
-
-    Supported: ``loss.backward()`` as well as ``fabric.backward(loss)``; several backward passes per step (their
-    gradients add up, as under DDP; each sends); ``fabric.no_backward_sync`` for gradient accumulation (nothing
-    is sent on accumulating micro-batches), ``fabric.clip_gradients`` (by the global norm of the synchronised
-    gradient, or by value), precision ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` (a step with inf/nan
-    gradients is skipped on every rank, momentum and residual untouched), ``torch.compile``, and ``fabric.save``
-    / ``fabric.load``: every rank writes its own SCAPE state beside the checkpoint
-    (``<path>.scape/<save id>-rank-XXXXX.pt``), so a resumed run continues bitwise identically. A checkpoint written by
-    another number of processes is re-sharded when it is loaded (momentum shards, last-sent steps, residuals
-    with the same global unsent gradient, new masks; ``docs/lightning.md``).
-
-    Not supported: ``fabric.load_raw`` of a SCAPE optimizer, and clipping ``param.grad`` yourself: it holds this
-    rank's gradient, already sent during backward, so a change has no effect (a warning says so); use
-    ``fabric.clip_gradients``, which clips the synchronised values and returns their global norm
-    (:meth:`global_grad_norm` without clipping).
-
-    Rank 0 logs what SCAPE will do at set-up, and what it did at the end of the run (:meth:`run_summary`; at
-    ``strategy.teardown()``, or when the process exits).
+    Processes and clusters as in Lightning's ``DDPStrategy``; gradients travel through the SCAPE engine, and the
+    optimizer ``fabric.setup`` returns (from an :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``Adam``) is
+    a :class:`~lightning_scape.ScapeOptimizer`. What works, what differs from DDP (``param.grad``, clipping) and how
+    checkpoints resume: ``docs/lightning.md``.
 
     Args:
         accelerator: The accelerator (Fabric picks it from ``Fabric(accelerator=...)`` when None).

@@ -40,21 +40,8 @@ from lightning_scape.runtime.run_notices import RunNotices
 class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Trainer(strategy=ScapeFSDPStrategy(density=0.01))``.
 
-    Also ``Trainer(strategy="scape_fsdp")``. The W processes form R = W / ``shard_size`` groups of ``shard_size``
-    consecutive ranks (one node each by default); the strategy shards the model with FSDP2 inside each group
-    (every block of ``auto_wrap_policy`` one unit; the ``LightningModule``'s submodules the roots) and the SCAPE
-    engine synchronises each rank's shard across the groups (``docs/fsdp.md``). ``configure_optimizers`` must
-    return one :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``torch.optim.Adam``, with any LR
-    scheduler; ``configure_model`` may build the model (on the meta device with ``empty_init``), but must not
-    shard it.
-
-    Supported: ``accumulate_grad_batches`` (nothing is sent on accumulating micro-batches),
-    ``gradient_clip_val`` by norm (the global norm over all shards) or by value, precision ``"32-true"``,
-    ``"bf16-mixed"`` and ``"bf16-true"``, and sharded checkpoints (a folder: one file per rank and ``meta.pt``)
-    that ``trainer.fit(..., ckpt_path=...)`` resumes bitwise on the same number of processes and ``shard_size``.
-
-    As ``ScapeStrategy``, rank 0 logs what SCAPE will do at set-up (on each rank's shard, across the groups), and
-    what it did at the end of a fit (:meth:`run_summary`).
+    Also ``Trainer(strategy="scape_fsdp")``; ``configure_model`` may build the model but must not shard it. The
+    groups, what is sharded, what works and the checkpoint folders: ``docs/fsdp.md``.
 
     Args:
         shard_size: S, the processes that shard one model copy between them; default: the processes of one node.

@@ -46,27 +46,12 @@ from lightning_scape.runtime.run_notices import RunNotices
 
 
 class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
-    """SCAPE sparse data parallelism for the Trainer: ``Trainer(strategy=ScapeStrategy(density=0.01))``.
+    """SCAPE sparse data parallelism for the Trainer: ``Trainer(strategy=ScapeStrategy(density=0.01))`` or ``"scape"``.
 
-    Also ``Trainer(strategy="scape")`` with the default configuration. Processes, devices and multi-node
-    clusters (torchrun, SLURM, ``MASTER_ADDR``/``NODE_RANK``, ...) work as with Lightning's ``DDPStrategy``,
-    but the model is not wrapped in ``DistributedDataParallel``: gradients travel through the SCAPE engine
-    (one sparse collective per step after the dense warm-up) and the strategy steps the optimizer.
-    ``configure_optimizers`` must return one :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or
-    ``torch.optim.Adam`` (the last two are converted to AdamS with the same hyperparameters), with any LR
-    scheduler.
-
-    Supported, as under DDP: gradient accumulation, manual optimization, clipping, 32-bit and mixed precision,
-    ``torch.compile``, the fine-tuning callbacks, and checkpoints that resume bitwise, on this or another number
-    of processes (every rank writes its SCAPE state beside the checkpoint file): ``docs/lightning.md``.
-
-    Rank 0 logs what SCAPE will do at set-up, and what it did at the end of a fit (:meth:`run_summary`).
-
-    Not supported: clipping ``param.grad`` yourself, e.g. in ``on_before_optimizer_step``: it holds this rank's
-    gradient, already sent during backward, so a change has no effect (a warning says so); use
-    ``gradient_clip_val`` or ``self.clip_gradients``, which clip the synchronised values, and
-    :meth:`global_grad_norm` for their norm (a warning also says when Lightning's ``grad_norm`` of
-    ``param.grad`` is logged).
+    Processes and clusters as in Lightning's ``DDPStrategy``; gradients travel through the SCAPE engine, and
+    ``configure_optimizers`` returns one :class:`~lightning_scape.AdamS`, ``torch.optim.AdamW`` or ``Adam`` (with any
+    LR scheduler). What works, what differs from DDP (``param.grad``, clipping) and how checkpoints resume:
+    ``docs/lightning.md``.
 
     Args:
         accelerator: The accelerator (the Trainer picks it from ``Trainer(accelerator=...)`` when None).
