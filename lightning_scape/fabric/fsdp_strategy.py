@@ -7,13 +7,11 @@ A thin adapter over Lightning's ``ModelParallelStrategy`` (FSDP2); what it share
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy
@@ -28,16 +26,15 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.fabric.set_up_objects import SetUpObjects
-from lightning_scape.runtime import engine_setup, fsdp, fsdp_checkpoint, registry, setup_checks
+from lightning_scape.runtime import fsdp, fsdp_checkpoint, registry, setup_checks
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
-from lightning_scape.runtime.run_notices import RunNotices
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeFSDPStrategy(SetUpObjects, RunNotices, ModelParallelStrategy):
+class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Fabric(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     Create the optimizer after ``fabric.setup_module(model)``, as with every FSDP2 strategy. The groups, what is
@@ -159,11 +156,8 @@ class ScapeFSDPStrategy(SetUpObjects, RunNotices, ModelParallelStrategy):
             scape, binding = fsdp.build_fsdp_scape_optimizer(
                 optimizer, self.scape_config, module, comm, self.grid, self.scape_run.resume_with_new_config
             )
-        self._scape_optimizers.append(scape)
         self._bindings.append(binding)
-        self._check_schedule()
-        self._end_at_exit()  # Fabric does not know when a run ends: its notices come at teardown, or at exit
-        return scape
+        return self._adopt(scape)
 
     @override
     def _scape_ranks(self) -> int | None:
@@ -174,11 +168,8 @@ class ScapeFSDPStrategy(SetUpObjects, RunNotices, ModelParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
         """The SCAPE step; a failure is remembered, so that teardown waits on no collective that cannot finish."""
-        try:
+        with self._failure_remembered():
             return super().optimizer_step(optimizer, **kwargs)
-        except BaseException:
-            self._failed = True
-            raise
 
     @override
     def clip_gradients_norm(
@@ -194,17 +185,14 @@ class ScapeFSDPStrategy(SetUpObjects, RunNotices, ModelParallelStrategy):
         Returns:
             The global norm before clipping.
         """
-        opt = self._scape_optimizer_of(optimizer)
-        if float(norm_type) != 2.0:
-            raise ValueError(f"ScapeFSDPStrategy clips by the global L2 norm; norm_type={norm_type} is not supported.")
-        shard_group = self.device_mesh["shard"].get_group()
-        norm = fsdp.request_global_clip(opt, float(max_norm), shard_group, self.grid.shard_size)
-        if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(
-                f"The global norm of the synchronised gradient is {norm}. Pass error_if_nonfinite=False to skip "
-                "this check, or find the source of the inf/nan (learning rate too high?)."
-            )
-        return torch.tensor(norm, device=self.root_device)
+        shard_group, shard_size = self.device_mesh["shard"].get_group(), self.grid.shard_size
+        return self._clip_norm(
+            optimizer,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            lambda opt, max_norm: fsdp.request_global_clip(opt, max_norm, shard_group, shard_size),
+        )
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
@@ -280,9 +268,7 @@ class ScapeFSDPStrategy(SetUpObjects, RunNotices, ModelParallelStrategy):
     def teardown(self) -> None:
         """Remove the engines' hooks (without waiting on collectives when a rank failed) and the bindings', stop the
         heartbeat, log the run's summary."""
-        # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
-        engine_setup.close_engines(self._scape_optimizers, wait=not self._failed)
-        self._end_of_run()
+        self._close_run()
         for binding in self._bindings:
             binding.detach()
         super().teardown()

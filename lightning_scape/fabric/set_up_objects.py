@@ -1,18 +1,27 @@
-"""What a Fabric SCAPE strategy has set up: its modules and SCAPE optimizers, and the engine of the latest."""
+"""What both Fabric SCAPE strategies do with what they set up: their modules and SCAPE optimizers, a step that fails,
+clipping by the global norm."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
+from lightning_scape.runtime.run_notices import RunNotices
 
 
-class SetUpObjects:
+class SetUpObjects(RunNotices):
     """The modules and SCAPE optimizers a Fabric strategy set up, in set-up order (a mixin of both forms)."""
+
+    root_device: torch.device  # Lightning's Strategy.root_device
 
     # What the user must call before an engine exists, for the error.
     _setup_call = "fabric.setup(model, optimizer)"
@@ -38,6 +47,53 @@ class SetUpObjects:
         if not self._scape_optimizers:
             raise RuntimeError(f"No optimizer was set up yet: call {self._setup_call} first.")
         return self._scape_optimizers[-1].engine
+
+    def _adopt(self, scape: ScapeOptimizer) -> ScapeOptimizer:
+        """Keep ``scape`` as the newest optimizer, and give the run's notices their layout."""
+        self._scape_optimizers.append(scape)
+        self._check_schedule()
+        self._end_at_exit()  # Fabric does not know when a run ends: its notices come at teardown, or at exit
+        return scape
+
+    @contextmanager
+    def _failure_remembered(self) -> Iterator[None]:
+        """A step that raises marks the run failed, so that teardown waits on no collective that cannot finish."""
+        try:
+            yield
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _clip_norm(
+        self,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float,
+        error_if_nonfinite: bool,
+        request: Callable[[ScapeOptimizer, float], float],
+    ) -> Tensor:
+        """``fabric.clip_gradients(..., max_norm=...)``: ``request`` a clip of the coming step's synchronised gradient
+        to global L2 norm ``max_norm``; it returns the norm before clipping, which this returns as a tensor.
+
+        Raises:
+            ValueError: ``norm_type`` is not 2.
+            RuntimeError: The norm is inf or nan and ``error_if_nonfinite`` (without fp16 loss scaling, whose
+                step is skipped instead).
+        """
+        opt = self._scape_optimizer_of(optimizer)
+        name = type(self).__name__
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"{name} clips by the global L2 norm of the synchronised gradient; norm_type={norm_type} is not "
+                "supported. Use norm_type=2."
+            )
+        norm = request(opt, float(max_norm))
+        if error_if_nonfinite and not math.isfinite(norm) and opt.engine.loss_scale is None:
+            raise RuntimeError(
+                f"The global norm of the synchronised gradient is {norm}. Pass error_if_nonfinite=False to skip "
+                "this check, or find the source of the inf/nan (learning rate too high?)."
+            )
+        return torch.tensor(norm, device=self.root_device)
 
     def _module_of(self, optimizer: Optimizer) -> Module | None:
         """The most recently set-up module holding any of ``optimizer``'s parameters (None: no such module)."""

@@ -39,13 +39,12 @@ from lightning_scape.runtime import (
 )
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
-from lightning_scape.runtime.run_notices import RunNotices
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeStrategy(SetUpObjects, RunNotices, DDPStrategy):
+class ScapeStrategy(SetUpObjects, DDPStrategy):
     """SCAPE sparse data parallelism for Fabric: ``Fabric(strategy=ScapeStrategy(density=0.01))``.
 
     Processes and clusters as in Lightning's ``DDPStrategy``; gradients travel through the SCAPE engine, and the
@@ -140,10 +139,7 @@ class ScapeStrategy(SetUpObjects, RunNotices, DDPStrategy):
         scaler = loss_scaling.grad_scaler_of(self.precision)
         with rank_failures.agreed("Setting up the optimizer for ScapeStrategy"):
             scape = engine_setup.build_scape_optimizer(optimizer, self.scape_config, module, scaler, self.scape_run)
-        self._scape_optimizers.append(scape)
-        self._check_schedule()
-        self._end_at_exit()  # Fabric does not know when a run ends: its notices come at teardown, or at exit
-        return scape
+        return self._adopt(scape)
 
     # ----------------------------------------------------------------------------------------- a step
 
@@ -152,13 +148,10 @@ class ScapeStrategy(SetUpObjects, RunNotices, DDPStrategy):
         """The SCAPE step; with fp16 loss scaling the ``GradScaler`` learns whether it was skipped."""
         opt = unwrap_optimizer(optimizer)
         scaler = loss_scaling.grad_scaler_of(self.precision)
-        try:
+        with self._failure_remembered():
             if scaler is None or not isinstance(opt, ScapeOptimizer):
                 return super().optimizer_step(optimizer, **kwargs)
             out = opt.step(**kwargs)
-        except BaseException:
-            self._failed = True
-            raise
         loss_scaling.report_step_to_scaler(scaler, opt)
         return out
 
@@ -177,21 +170,7 @@ class ScapeStrategy(SetUpObjects, RunNotices, DDPStrategy):
             The global norm before clipping. Computing it finishes the step's synchronisation early, which
             costs nothing when ``optimizer.step()`` follows.
         """
-        opt = self._scape_optimizer_of(optimizer)
-        if float(norm_type) != 2.0:
-            raise ValueError(
-                f"ScapeStrategy clips by the global L2 norm of the synchronised gradient; norm_type={norm_type} is "
-                "not supported. Use norm_type=2."
-            )
-        norm = opt.engine.global_grad_norm()
-        finite = torch.isfinite(torch.tensor(norm)).item()
-        if error_if_nonfinite and not finite and loss_scaling.grad_scaler_of(self.precision) is None:
-            raise RuntimeError(
-                f"The global norm of the synchronised gradient is {norm}. Pass error_if_nonfinite=False to skip "
-                "this check, or find the source of the inf/nan (learning rate too high?)."
-            )
-        opt.request_clip(max_norm=float(max_norm))
-        return torch.tensor(norm, device=self.root_device)
+        return self._clip_norm(optimizer, max_norm, norm_type, error_if_nonfinite, _request_norm)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
@@ -289,9 +268,7 @@ class ScapeStrategy(SetUpObjects, RunNotices, DDPStrategy):
     def teardown(self) -> None:
         """Remove the engines' hooks (without waiting on collectives when a rank failed), stop the heartbeat, log the
         run's summary."""
-        # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
-        engine_setup.close_engines(self._scape_optimizers, wait=not self._failed)
-        self._end_of_run()
+        self._close_run()
         super().teardown()
 
     @override
@@ -303,6 +280,13 @@ class ScapeStrategy(SetUpObjects, RunNotices, DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
         registry.register_strategies(cls, strategy_registry)
+
+
+def _request_norm(opt: ScapeOptimizer, max_norm: float) -> float:
+    """Clip the coming step to global norm ``max_norm``; the norm before clipping (this rank's engine holds it all)."""
+    norm = opt.engine.global_grad_norm()
+    opt.request_clip(max_norm=max_norm)
+    return norm
 
 
 class _ScapeBackwardSyncControl(_BackwardSyncControl):

@@ -11,27 +11,25 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from types import MethodType
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.model_parallel import ModelParallelStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
+from lightning_scape.pytorch import clipping
 from lightning_scape.pytorch.fit_objects import FitObjects
-from lightning_scape.pytorch.strategy import planned_steps
-from lightning_scape.runtime import engine_setup, fsdp, fsdp_checkpoint, registry, setup_checks
+from lightning_scape.pytorch.strategy import planned_steps, state_key
+from lightning_scape.runtime import fsdp, fsdp_checkpoint, registry, setup_checks
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
 from lightning_scape.runtime.run_notices import RunNotices
@@ -125,7 +123,12 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
             self._start_run_notices()  # a new fit may be told again (on_train_start), and is summed up at its end
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._redirect_clipping()
+            shard_group, shard_size = self.device_mesh["shard"].get_group(), self.grid.shard_size
+            clipping.redirect(  # by the global norm over all shards, or by value
+                self.precision_plugin,
+                "ScapeFSDPStrategy",
+                lambda opt, max_norm: fsdp.request_global_clip(opt, max_norm, shard_group, shard_size),
+            )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -166,29 +169,6 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
             for m in units:
                 m.set_requires_gradient_sync(True, recurse=False)
 
-    def _redirect_clipping(self) -> None:
-        """Route ``gradient_clip_val`` to the engine: by the global norm over all shards, or by value."""
-        shard_group = self.device_mesh["shard"].get_group()
-        shard_size = self.grid.shard_size
-
-        def clip(
-            plugin: Precision,
-            optimizer: Optimizer,
-            clip_val: int | float = 0.0,
-            gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-        ) -> None:
-            if clip_val <= 0:
-                return
-            opt = unwrap_optimizer(optimizer)
-            if not isinstance(opt, ScapeOptimizer):
-                raise TypeError(f"ScapeFSDPStrategy can only clip its own optimizer, got {type(opt).__name__}.")
-            if GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.VALUE:
-                opt.request_clip(clip_value=float(clip_val))
-            else:
-                fsdp.request_global_clip(opt, float(clip_val), shard_group, shard_size)
-
-        self.precision_plugin.clip_gradients = MethodType(clip, self.precision_plugin)  # type: ignore[method-assign]
-
     # ------------------------------------------------------------------------------------- checkpoints
 
     @override
@@ -213,7 +193,7 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
         folder = Path(self.broadcast(str(filepath)))
         rest = dict(checkpoint)
         modules = {"state_dict": rest.pop("state_dict")}
-        optimizers = {_state_key(i): s for i, s in enumerate(rest.pop("optimizer_states", []))}
+        optimizers = {state_key(i): s for i, s in enumerate(rest.pop("optimizer_states", []))}
         fsdp_checkpoint.save(folder, self.grid, modules, optimizers, rest)
         self.barrier()
 
@@ -222,7 +202,7 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
         """Read and check the folder on every rank, load the model shard and SCAPE state; the rest for Lightning."""
         assert self.model is not None and self.lightning_module is not None
         folder = Path(self.broadcast(str(checkpoint_path)))
-        opts = {_state_key(i): opt for i, opt in enumerate(self.scape_optimizers)}
+        opts = {state_key(i): opt for i, opt in enumerate(self.scape_optimizers)}
         modules = {"state_dict": self.model}
         checked = fsdp_checkpoint.read_and_check(folder, self.grid, modules, opts, self.lightning_module.strict_loading)
         fsdp_checkpoint.load(checked, modules, opts)
@@ -251,14 +231,11 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
     def teardown(self) -> None:
         """Remove the engines' hooks (without waiting on collectives after a failure), log the fit's summary, remove
         the bindings' hooks and the clipping redirect."""
-        # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
-        engine_setup.close_engines(self.scape_optimizers, wait=not self._failed)  # stops the heartbeat too
-        self._end_of_run()
+        self._close_run()
         for binding in self._bindings:
             binding.detach()
         self._bindings.clear()
-        if "clip_gradients" in vars(self.precision_plugin):
-            del self.precision_plugin.clip_gradients
+        clipping.restore(self.precision_plugin)
         super().teardown()
 
     @classmethod
@@ -266,11 +243,6 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape_fsdp"``."""
         registry.register_strategies(cls, strategy_registry)
-
-
-def _state_key(index: int) -> str:
-    """The key of ``optimizer_states[index]`` in the checkpoint folder's files."""
-    return f"optimizer_states.{index}"
 
 
 ScapeFSDPStrategy.register_strategies(StrategyRegistry)

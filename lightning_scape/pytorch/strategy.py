@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from types import MethodType
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -23,7 +22,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -31,6 +29,7 @@ from typing_extensions import Unpack, override
 
 from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
+from lightning_scape.pytorch import clipping
 from lightning_scape.pytorch.fit_objects import FitObjects
 from lightning_scape.runtime import (
     checkpoint_protocol,
@@ -123,7 +122,7 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
             setup_checks.warn_if_one_process(self.world_size, "Trainer")
         self.setup_precision_plugin()
         if fitting:
-            _redirect_clipping(self.precision_plugin)
+            clipping.redirect(self.precision_plugin, "ScapeStrategy")
             self._start_run_notices()  # a new fit may be told again (on_train_start), and is summed up at its end
 
     @override
@@ -233,12 +232,12 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
             return
 
         def with_stubs(stubs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-            return {**checkpoint, "optimizer_states": [stubs.get(_state_key(i), s) for i, s in enumerate(states)]}
+            return {**checkpoint, "optimizer_states": [stubs.get(state_key(i), s) for i, s in enumerate(states)]}
 
         checkpoint_protocol.save_scape_checkpoint(
             self.checkpoint_io,
             filepath,
-            {_state_key(i): s for i, s in enumerate(states) if checkpoint_protocol.is_scape_state(s)},
+            {state_key(i): s for i, s in enumerate(states) if checkpoint_protocol.is_scape_state(s)},
             with_stubs,
             rank=self.global_rank,
             world_size=self.world_size,
@@ -292,7 +291,7 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
         if "state_dict" in checkpoint:
             modules["state_dict"] = (module, checkpoint["state_dict"], module.strict_loading)
         return checkpoint_protocol.LoadPlan(
-            stubs={_state_key(i): s for i, s in enumerate(states)},
+            stubs={state_key(i): s for i, s in enumerate(states)},
             modules=modules,
             config=self.scape_config,
             resume_with_new_config=self.scape_run.resume_with_new_config,
@@ -315,7 +314,7 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
                 f"Checkpoint {pending.path!r} has {len(pending.stubs)} optimizer states, this run {len(opts)}. "
                 "No optimizer state was loaded."
             )
-        keys = [_state_key(i) for i in range(len(opts))]
+        keys = [state_key(i) for i in range(len(opts))]
         full = checkpoint_protocol.complete_load(self.checkpoint_io, pending, dict(zip(keys, opts, strict=True)))
         # Lightning loads the full states where the stubs were.
         super().load_optimizer_state_dict({**checkpoint, "optimizer_states": [full[k] for k in keys]})
@@ -332,10 +331,8 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
     def teardown(self) -> None:
         """Sum the fit up (rank 0); remove the engine's hooks and the clipping redirect; stop the heartbeat."""
         self._pending_states = None
-        # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
-        engine_setup.close_engines(self.scape_optimizers, wait=not self._failed)  # stops the heartbeat too
-        self._end_of_run()  # a fit whose length was not known at the start (early stopping, ...) is told now
-        _restore_clipping(self.precision_plugin)
+        self._close_run()
+        clipping.restore(self.precision_plugin)
         super().teardown()
 
     @classmethod
@@ -345,8 +342,8 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
         registry.register_strategies(cls, strategy_registry)
 
 
-def _state_key(index: int) -> str:
-    """The key of the checkpoint's ``optimizer_states[index]`` in the checkpoint protocol's calls."""
+def state_key(index: int) -> str:
+    """The key of a checkpoint's ``optimizer_states[index]`` in the SCAPE checkpoint files (both Trainer forms)."""
     return f"optimizer_states.{index}"
 
 
@@ -356,38 +353,6 @@ def planned_steps(trainer: pl.Trainer) -> float | None:
         return float(trainer.estimated_stepping_batches)
     except Exception:  # no train dataloader yet, an unsized one, ...: the notice then comes at the end
         return None
-
-
-def _scape_clip_gradients(
-    plugin: Precision,
-    optimizer: Optimizer,
-    clip_val: int | float = 0.0,
-    gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-) -> None:
-    """``Precision.clip_gradients`` for SCAPE: record the request; the engine clips the synchronised values."""
-    if clip_val <= 0:
-        return
-    opt = unwrap_optimizer(optimizer)
-    if not isinstance(opt, ScapeOptimizer):
-        raise TypeError(f"ScapeStrategy can only clip its own optimizer, got {type(opt).__name__}.")
-    if GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.VALUE:
-        opt.request_clip(clip_value=float(clip_val))
-    else:
-        opt.request_clip(max_norm=float(clip_val))
-
-
-def _redirect_clipping(plugin: Precision) -> None:
-    """Route the Trainer's gradient clipping (``gradient_clip_val``) to the engine.
-
-    Clipping ``param.grad`` locally would act on gradients that were already sent; the engine instead clips
-    the synchronised values of the coming step (by their global norm, or by value).
-    """
-    plugin.clip_gradients = MethodType(_scape_clip_gradients, plugin)  # type: ignore[method-assign]
-
-
-def _restore_clipping(plugin: Precision) -> None:
-    if "clip_gradients" in vars(plugin):
-        del plugin.clip_gradients
 
 
 ScapeStrategy.register_strategies(StrategyRegistry)

@@ -5,6 +5,7 @@ notice of one that never left its dense steps and the run's summary."""
 from __future__ import annotations
 
 from lightning_scape.config import ScapeConfig
+from lightning_scape.runtime import engine_setup
 from lightning_scape.runtime.run_summary import RunSummary
 from lightning_scape.runtime.warmup_notice import Syntax, WarmupNotice, call_at_exit
 
@@ -74,6 +75,13 @@ class RunNotices(RunSummary):
         if not self._end_registered_at_exit:
             call_at_exit(self._end_of_run)
             self._end_registered_at_exit = True
+
+    def _close_run(self) -> None:
+        """At teardown: close the engines (waiting on no collective after a failure; the heartbeat stops), then
+        :meth:`_end_of_run`."""
+        # Closed first: the wait for the last mask's all-gather, still in flight, belongs in the summary.
+        engine_setup.close_engines(self.scape_optimizers, wait=not self._failed)
+        self._end_of_run()  # a run whose length was not known at the start (early stopping, ...) is told now
 
     def _end_of_run(self) -> None:
         """Unless the run failed: warn if it never left its dense steps, and log its summary (rank 0, once)."""
