@@ -169,13 +169,14 @@ def _one_step(model: nn.Module, step: Any) -> None:
 
 def _measure_scape_fsdp() -> dict[str, int]:
     from lightning_scape import AdamS, ScapeConfig
+    from lightning_scape.engine import fsdp_binding
     from lightning_scape.runtime import fsdp
 
-    grid = fsdp.shard_grid(W, S, S, dist.get_rank())
-    mesh = fsdp.build_mesh("cpu", grid)
+    grid = fsdp_binding.shard_grid(W, S, S, dist.get_rank())
+    mesh = fsdp_binding.build_mesh("cpu", grid)
     model = _small_gpt()
-    fsdp.shard_module(model, mesh["shard"], None)
-    comm = fsdp.replicate_communicator(mesh, grid, 120.0)
+    fsdp_binding.shard_module(model, mesh["shard"], None)
+    comm = fsdp_binding.replicate_communicator(mesh, grid, 120.0)
     config = ScapeConfig(density=0.01, dense_warmup_steps=0)
     opt, binding = fsdp.build_fsdp_scape_optimizer(AdamS(model.parameters()), config, model, comm)
     _one_step(model, opt.step)

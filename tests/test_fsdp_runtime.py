@@ -13,19 +13,19 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import lightning_scape
-from lightning_scape.runtime import fsdp
+from lightning_scape.engine import fsdp_binding
 
 
 def test_the_grid_puts_consecutive_ranks_in_a_group() -> None:
-    grid = fsdp.shard_grid(world_size=8, shard_size=4, processes_per_node=8, rank=6)
+    grid = fsdp_binding.shard_grid(world_size=8, shard_size=4, processes_per_node=8, rank=6)
     assert (grid.replicas, grid.replica_index, grid.shard_index) == (2, 1, 2)
-    assert fsdp.shard_grid(world_size=8, shard_size=None, processes_per_node=2, rank=0).shard_size == 2
+    assert fsdp_binding.shard_grid(world_size=8, shard_size=None, processes_per_node=2, rank=0).shard_size == 2
 
 
 @pytest.mark.parametrize("shard_size", [0, 3, 16])
 def test_a_shard_size_that_does_not_divide_the_world_is_refused(shard_size: int) -> None:
     with pytest.raises(ValueError, match=f"shard_size={shard_size}.*divisor of 8"):
-        fsdp.shard_grid(world_size=8, shard_size=shard_size, processes_per_node=8, rank=0)
+        fsdp_binding.shard_grid(world_size=8, shard_size=shard_size, processes_per_node=8, rank=0)
 
 
 @pytest.mark.parametrize(
@@ -46,22 +46,22 @@ def test_registered_as_scape_fsdp_for_fabric_and_the_trainer() -> None:
 def test_the_default_wrapping_unit_is_litgpts_block() -> None:
     from litgpt.model import Block
 
-    assert fsdp.default_wrap_policy() == {Block}
+    assert fsdp_binding.default_wrap_policy() == {Block}
 
 
 def test_param_groups_are_read_where_torch_2_11_and_2_13_keep_them() -> None:
     # torch 2.13 keeps a list; torch 2.11 one group, None for a unit that owns no parameters.
     group = SimpleNamespace(fsdp_params=["p"])
-    assert fsdp.fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=[group, group])) == [group, group]
-    assert fsdp.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
-    assert fsdp.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+    assert fsdp_binding.fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=[group, group])) == [group, group]
+    assert fsdp_binding.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert fsdp_binding.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
     with pytest.raises(RuntimeError, match=r"checked with: 2\.11 or 2\.13"):
-        fsdp.fsdp_param_groups(SimpleNamespace())
+        fsdp_binding.fsdp_param_groups(SimpleNamespace())
 
 
 @pytest.mark.parametrize("version", ["2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.13.2"])
 def test_the_torch_releases_the_binding_was_checked_against_are_accepted(version: str) -> None:
-    fsdp.require_checked_torch(version)
+    fsdp_binding.require_checked_torch(version)
 
 
 @pytest.mark.parametrize(

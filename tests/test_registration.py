@@ -41,7 +41,8 @@ def _run(imports: str, *args: str) -> list[str]:
 def test_the_algorithm_imports_without_lightning() -> None:
     loaded = _run(
         "import lightning_scape, lightning_scape.engine, lightning_scape.comm, lightning_scape.kernels\n"
-        "import lightning_scape.planning, lightning_scape.simulation\n"
+        "import lightning_scape.planning, lightning_scape.simulation, lightning_scape.engine.fsdp_binding\n"
+        "import lightning_scape.comm.rank_failures, lightning_scape.planning.run_traffic, lightning_scape.warnings\n"
         "lightning_scape.simulate(1, lambda rank, comm: None)\n"
     )
     assert loaded == ["[]"]

@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_scape import AdamS, FormPilot, ProcessGroupCommunicator, ScapeConfig, ScapeEngine
 from lightning_scape.comm import ByteCounters, Traffic, all_reduce_bytes
+from lightning_scape.engine import fsdp_binding
 from lightning_scape.examples.workloads import (
     build_model,
     corpus_tokens,
@@ -522,7 +523,7 @@ class FSDPMethod(Method):
 
     def __init__(self, name: str, spec: WorkerSpec, world_size: int) -> None:
         self.name = name
-        self.grid = fsdp.shard_grid(world_size, spec.shard_size, spec.shard_size, dist.get_rank())
+        self.grid = fsdp_binding.shard_grid(world_size, spec.shard_size, spec.shard_size, dist.get_rank())
         mesh = _mesh(self.grid)
         self.shard_group = mesh["shard"].get_group()
         self.model = build_model(spec.block_size, preset=spec.model, seed=spec.seed)
@@ -532,14 +533,14 @@ class FSDPMethod(Method):
         if name == "hsdp_adamw":
             from torch.distributed.fsdp import fully_shard
 
-            for block in [m for m in self.model.modules() if type(m) in fsdp.default_wrap_policy()]:
+            for block in [m for m in self.model.modules() if type(m) in fsdp_binding.default_wrap_policy()]:
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)  # a 2-D mesh: HSDP, replicate x shard
             self.opt = torch.optim.AdamW(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
             self.counters = None
             return
-        fsdp.shard_module(self.model, mesh["shard"], None)
-        fsdp.sync_replicas(self.model, mesh["replicate"].get_group(), replicate_src=self.grid.shard_index)
+        fsdp_binding.shard_module(self.model, mesh["shard"], None)
+        fsdp_binding.sync_replicas(self.model, mesh["replicate"].get_group(), replicate_src=self.grid.shard_index)
         if name == "scape_fsdp_default_d0.01":
             self.config = ttl_scape_config("scape_default_d0.01", spec.chunk_size, spec.scape_overrides)
         else:
@@ -551,7 +552,7 @@ class FSDPMethod(Method):
                 bucket_cap_mb=BUCKET_CAP_MB,
             )
         adams = AdamS(weight_decay_groups(self.model), lr=spec.lr, weight_decay=0.1)
-        comm = fsdp.replicate_communicator(mesh, self.grid, spec.timeout_s)
+        comm = fsdp_binding.replicate_communicator(mesh, self.grid, spec.timeout_s)
         self.opt, self.binding = fsdp.build_fsdp_scape_optimizer(adams, self.config, self.model, comm)
         self.engine = self.opt.engine
         self.counters = self.engine.counters
@@ -583,7 +584,7 @@ def _mesh(grid: Any) -> Any:
     """One ``("replicate", "shard")`` mesh per grid, shared by the FSDP methods (every rank makes it in turn)."""
     key = (grid.replicas, grid.shard_size)
     if key not in _MESHES:
-        _MESHES[key] = fsdp.build_mesh("cpu", grid)
+        _MESHES[key] = fsdp_binding.build_mesh("cpu", grid)
     return _MESHES[key]
 
 

@@ -25,6 +25,7 @@ from typing_extensions import Unpack, override
 
 from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
+from lightning_scape.engine import fsdp_binding
 from lightning_scape.fabric.set_up_objects import SetUpObjects
 from lightning_scape.runtime import fsdp, fsdp_checkpoint, registry, setup_checks
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
@@ -62,14 +63,14 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     def __init__(
         self,
         shard_size: int | None = None,
-        auto_wrap_policy: fsdp.WrapPolicy | None = None,
+        auto_wrap_policy: fsdp_binding.WrapPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         resume_with_new_config: bool = False,
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
-        fsdp.require_checked_torch()
+        fsdp_binding.require_checked_torch()
         self.scape_config = resolve_config(config, options)
         self.scape_run = RunSettings.of(timeout, resume_with_new_config)
         super().__init__(
@@ -79,20 +80,20 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         )
         self._shard_size = shard_size
         self._wrap_policy = auto_wrap_policy
-        self._grid: fsdp.ShardGrid | None = None
+        self._grid: fsdp_binding.ShardGrid | None = None
         self._start_set_up_objects()
-        self._bindings: list[fsdp.ShardBinding] = []
+        self._bindings: list[fsdp_binding.ShardBinding] = []
         self._failed = False
 
     @property
-    def grid(self) -> fsdp.ShardGrid:
+    def grid(self) -> fsdp_binding.ShardGrid:
         """The processes as groups of ``shard_size`` (known once the processes are set up)."""
         if self._grid is None:
             raise RuntimeError("The shard grid is known once Fabric has launched the processes (fabric.launch()).")
         return self._grid
 
     @property
-    def binding(self) -> fsdp.ShardBinding:
+    def binding(self) -> fsdp_binding.ShardBinding:
         """How the most recently set-up optimizer's engine holds FSDP's shards."""
         if not self._bindings:
             raise RuntimeError("No optimizer was set up yet: call fabric.setup_optimizers(optimizer) first.")
@@ -109,12 +110,12 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         """Start the processes, then the ``("replicate", "shard")`` mesh."""
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self._grid = fsdp.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
-        self._device_mesh = fsdp.build_mesh(self.root_device.type, self._grid)
+        self._grid = fsdp_binding.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
+        self._device_mesh = fsdp_binding.build_mesh(self.root_device.type, self._grid)
 
     def _parallelize(self, module: Module, mesh: Any) -> Module:
         with rank_failures.agreed("Sharding the model for ScapeFSDPStrategy"):  # reported once, by rank 0
-            fsdp.shard_module(module, mesh["shard"], self._wrap_policy)
+            fsdp_binding.shard_module(module, mesh["shard"], self._wrap_policy)
         return module
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -127,7 +128,7 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
             module = super().setup_module(module)
             _materialize_distributed_module(module, self.root_device)
         grid = self.grid
-        fsdp.sync_replicas(module, self.device_mesh["replicate"].get_group(), replicate_src=grid.shard_index)
+        fsdp_binding.sync_replicas(module, self.device_mesh["replicate"].get_group(), replicate_src=grid.shard_index)
         self._scape_modules.append(module)
         return module
 
@@ -152,7 +153,7 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
                     "ScapeFSDPStrategy found no set-up model whose parameters this optimizer holds. Create it "
                     "after model = fabric.setup_module(model), from model.parameters()."
                 )
-            comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
+            comm = fsdp_binding.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
             scape, binding = fsdp.build_fsdp_scape_optimizer(
                 optimizer, self.scape_config, module, comm, self.grid, self.scape_run.resume_with_new_config
             )

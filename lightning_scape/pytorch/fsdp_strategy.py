@@ -26,6 +26,7 @@ from typing_extensions import Unpack, override
 
 from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
+from lightning_scape.engine import fsdp_binding
 from lightning_scape.pytorch import clipping
 from lightning_scape.pytorch.fit_objects import FitObjects
 from lightning_scape.pytorch.strategy import planned_steps, state_key
@@ -59,25 +60,25 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
     def __init__(
         self,
         shard_size: int | None = None,
-        auto_wrap_policy: fsdp.WrapPolicy | None = None,
+        auto_wrap_policy: fsdp_binding.WrapPolicy | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         resume_with_new_config: bool = False,
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
-        fsdp.require_checked_torch()
+        fsdp_binding.require_checked_torch()
         self.scape_config = resolve_config(config, options)
         self.scape_run = RunSettings.of(timeout, resume_with_new_config)
         super().__init__(process_group_backend=process_group_backend, timeout=self.scape_run.process_group_timeout)
         self._shard_size = shard_size
         self._wrap_policy = auto_wrap_policy
-        self._grid: fsdp.ShardGrid | None = None
-        self._bindings: list[fsdp.ShardBinding] = []
+        self._grid: fsdp_binding.ShardGrid | None = None
+        self._bindings: list[fsdp_binding.ShardBinding] = []
         self._failed = False
 
     @property
-    def grid(self) -> fsdp.ShardGrid:
+    def grid(self) -> fsdp_binding.ShardGrid:
         """The processes as groups of ``shard_size`` (known once the processes are set up)."""
         if self._grid is None:
             raise RuntimeError("The shard grid is known once the Trainer has set up the processes.")
@@ -94,8 +95,8 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
         """Start the processes, then the ``("replicate", "shard")`` mesh (``LightningModule.device_mesh``)."""
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self._grid = fsdp.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
-        self._device_mesh = fsdp.build_mesh(self.root_device.type, self._grid)
+        self._grid = fsdp_binding.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
+        self._device_mesh = fsdp_binding.build_mesh(self.root_device.type, self._grid)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -111,11 +112,12 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
         self._failed = False
         if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
             with rank_failures.agreed("Sharding the model for ScapeFSDPStrategy"):
-                fsdp.shard_module(self.model, self.device_mesh["shard"], self._wrap_policy, root_runs_forward=False)
+                shard_mesh = self.device_mesh["shard"]
+                fsdp_binding.shard_module(self.model, shard_mesh, self._wrap_policy, root_runs_forward=False)
             with fsdp.cpu_init_warned_once(self.global_rank):  # a model configure_model built on the meta device
                 _materialize_distributed_module(self.model, self.root_device)
             replicate = self.device_mesh["replicate"].get_group()
-            fsdp.sync_replicas(self.model, replicate, replicate_src=self.grid.shard_index)
+            fsdp_binding.sync_replicas(self.model, replicate, replicate_src=self.grid.shard_index)
         self.model = self.precision_plugin.convert_module(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -137,7 +139,7 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
             super().setup_optimizers(trainer)
             setup_checks.the_one_optimizer("ScapeFSDPStrategy", self.optimizers, "configure_optimizers returned")
             assert self.model is not None
-            comm = fsdp.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
+            comm = fsdp_binding.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
             scape, binding = fsdp.build_fsdp_scape_optimizer(
                 self.optimizers[0],
                 self.scape_config,

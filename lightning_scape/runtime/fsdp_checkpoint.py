@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_scape.comm.rank_failures import agree, agreed
-from lightning_scape.runtime.fsdp import ShardGrid
+from lightning_scape.engine.fsdp_binding import ShardGrid
 from lightning_scape.runtime.optimizer import ScapeOptimizer
 
 FORMAT = "scape_fsdp"
