@@ -274,6 +274,33 @@ def test_rank_files_are_tied_to_their_checkpoint(tmp_path: Any) -> None:
         )
 
 
+def test_rank_zero_removes_the_rank_directory_when_another_rank_deletes_its_file_during_the_removal(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 deleting its file while rank 0's recursive removal runs stopped that removal midway (as shutil.rmtree
+    raises FileNotFoundError), and ModelCheckpoint's old checkpoints left their ``.scape`` directories behind."""
+    io = TorchCheckpointIO()
+    path = str(tmp_path / "epoch=0.ckpt")
+    directory = tmp_path / "epoch=0.ckpt.scape"
+    directory.mkdir()
+    for rank in range(2):
+        (directory / f"id-rank-{rank:05d}.pt").write_bytes(b"x")
+    remove = io.remove_checkpoint
+    calls: list[str] = []
+
+    def racing_remove(target: Any) -> None:
+        calls.append(str(target))
+        if str(target) == str(directory) and len([c for c in calls if c == str(directory)]) == 1:
+            os.remove(directory / "id-rank-00001.pt")  # rank 1, between the listing and the deletion
+            raise FileNotFoundError(str(directory / "id-rank-00001.pt"))
+        remove(target)
+
+    monkeypatch.setattr(io, "remove_checkpoint", racing_remove)
+    checkpoint_protocol.remove_rank_states(io, path, 0, is_global_zero=True)
+    assert not directory.exists()
+    assert calls.count(str(directory)) == 2
+
+
 def test_protocol_writes_rank_files_before_the_main_file_and_checks_before_loading(tmp_path: Any) -> None:
     """The protocol both strategies call, on one rank: the save's order and name, and the checks of a load."""
     io = TorchCheckpointIO()

@@ -622,11 +622,35 @@ def _read_rank_file(
 
 def remove_rank_states(io: CheckpointIO, path: str | os.PathLike[str], rank: int, is_global_zero: bool) -> None:
     """Delete this rank's SCAPE files of checkpoint ``path`` (rank 0 also removes the directory)."""
-    targets = _listed_rank_files(path, rank) + ([rank_state_dir(path)] if is_global_zero else [])
-    for target in targets:
-        # Another rank may have removed it first, or it was never written.
+    for target in _listed_rank_files(path, rank):
+        # Another rank may have removed it first (rank 0's removal of the directory), or it was never written.
         with contextlib.suppress(FileNotFoundError, OSError):
             io.remove_checkpoint(target)
+    if is_global_zero:
+        _remove_rank_state_dir(io, rank_state_dir(path))
+
+
+def _remove_rank_state_dir(io: CheckpointIO, directory: str, attempts: int = 3) -> None:
+    """Remove ``directory`` and what is left in it.
+
+    The other ranks remove their own files meanwhile, with no barrier (Lightning removes a checkpoint from every
+    rank at once): a file gone between the recursive removal's listing and its deletion stops that removal
+    midway, and the directory stayed behind. So it is tried again while the directory is there.
+    """
+    fs = get_filesystem(directory)
+    for _ in range(attempts):
+        with contextlib.suppress(FileNotFoundError, OSError):
+            io.remove_checkpoint(directory)
+        if not _exists(fs, directory):
+            return
+
+
+def _exists(fs: Any, path: str) -> bool:
+    """Whether ``path`` exists; False where the filesystem cannot tell (then nothing more can be done there)."""
+    try:
+        return bool(fs.exists(path))
+    except Exception:
+        return False
 
 
 def check_module_state(module: Module, state: Any, strict: bool, where: str) -> None:
