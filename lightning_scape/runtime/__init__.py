@@ -1,4 +1,4 @@
-"""What the Fabric and the Trainer strategies share to wire the engine into Lightning's lifecycle.
+"""A SCAPE optimizer's run inside a Lightning loop: what the Fabric and the Trainer strategies share.
 
 One module per concern, each used by both adapters (:mod:`lightning_scape.fabric`, :mod:`lightning_scape.pytorch`):
 
@@ -8,14 +8,17 @@ One module per concern, each used by both adapters (:mod:`lightning_scape.fabric
 * :mod:`~lightning_scape.runtime.engine_setup`: rank 0's weights everywhere, the engine, its log line;
 * :mod:`~lightning_scape.runtime.loss_scaling`: fp16 loss scaling;
 * :mod:`~lightning_scape.runtime.warmup_notice`: a schedule that does not fit the run, told once;
-* :mod:`~lightning_scape.planning.run_traffic`: the bytes a whole run sends, SCAPE's and DDP's;
 * :mod:`~lightning_scape.runtime.run_summary`: what a run did, said at its end (bytes against DDP's, waiting, phases);
 * :mod:`~lightning_scape.runtime.run_notices`: the four strategies' notices and the end of their runs;
 * :mod:`~lightning_scape.runtime.setup_checks`: low-precision weights refused, a single process named;
-* :mod:`~lightning_scape.comm.rank_failures`: a failure on any rank agreed on and reported once, by rank 0;
+* :mod:`~lightning_scape.runtime.local_grads`: what is said to code that reads ``param.grad`` as DDP's average;
 * :mod:`~lightning_scape.runtime.checkpoint_protocol`: the checkpoint protocol (main file, per-rank SCAPE files);
 * :mod:`~lightning_scape.runtime.registry`: the names ``"scape"``, ``"scape_spawn"`` and ``"scape_fsdp"``, and what each
   builds;
-* :mod:`~lightning_scape.runtime.fsdp`: ``ScapeFSDPStrategy``'s grid, FSDP2 sharding and the engine on each shard;
+* :mod:`~lightning_scape.runtime.fsdp`: ``ScapeFSDPStrategy``'s optimizer over FSDP2's shards (the grid, the sharding
+  and the binding themselves are torch only: :mod:`lightning_scape.engine.fsdp_binding`);
 * :mod:`~lightning_scape.runtime.fsdp_checkpoint`: its checkpoint folders (one file per rank and ``meta.pt``).
+
+Below it, without Lightning: :mod:`lightning_scape.comm.rank_failures` (a failure on any rank agreed on and reported
+once, by rank 0) and :mod:`lightning_scape.planning.run_traffic` (the bytes a whole run sends, SCAPE's and DDP's).
 """
