@@ -470,7 +470,8 @@ if HAS_TRITON:
             t = _kth_key(key, k, 0)
         _store_top(key, idx, t, k, out_row)
 
-    @triton.jit(do_not_specialize=["k", "k_explore", "offset"])
+    # rows, like k, only addresses: specialized, every bucket size would compile a variant.
+    @triton.jit(do_not_specialize=["k", "k_explore", "offset", "rows"])
     def _select_rare_kernel(
         a_ptr: tl.tensor,
         b_ptr: tl.tensor,
