@@ -28,6 +28,14 @@ def test_a_shard_size_that_does_not_divide_the_world_is_refused(shard_size: int)
         fsdp_binding.shard_grid(world_size=8, shard_size=shard_size, processes_per_node=8, rank=0)
 
 
+def test_the_fsdp_extra_allows_exactly_the_torch_releases_the_binding_was_checked_against() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    (low_major, low_minor), (high_major, high_minor) = fsdp_binding.CHECKED_TORCH
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert extras["fsdp"] == [f"torch>={low_major}.{low_minor},<{high_major}.{high_minor + 1}"]
+
+
 @pytest.mark.parametrize(
     "cls", [lightning_scape.ScapeFSDPStrategy, lightning_scape.pytorch.ScapeFSDPStrategy], ids=["fabric", "trainer"]
 )
@@ -73,7 +81,8 @@ def test_another_torch_is_refused_before_anything_starts_naming_the_range(
 ) -> None:
     monkeypatch.setattr(torch, "__version__", version)
     with pytest.raises(RuntimeError, match=rf"checked against on torch 2\.11 to 2\.13; this is torch {version}\. "
-                       r"Install a torch in that range \(pip install 'torch>=2\.11,<2\.14'\)"):  # fmt: skip
+                       r"Install a torch in that range \(pip install 'torch>=2\.11,<2\.14', which the package's "
+                       r"\[fsdp\] extra asks for\)"):  # fmt: skip
         cls(shard_size=2)
 
 

@@ -200,7 +200,8 @@ def require_checked_torch(version: str | None = None) -> None:
     raise RuntimeError(
         f"ScapeFSDPStrategy binds to FSDP2's internals, which it was checked against on torch {checked}; this is "
         f"torch {version}. Install a torch in that range (pip install 'torch>={low[0]}.{low[1]},<{high[0]}."
-        f"{high[1] + 1}'), or use ScapeStrategy, which does not shard and has no such bound."
+        f"{high[1] + 1}', which the package's [fsdp] extra asks for), or use ScapeStrategy, which does not shard and "
+        "has no such bound."
     )
 
 
