@@ -302,9 +302,6 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
     prob = Problem(kernel_numel, args.chunk_size, args.density, args.exploration, dtype, device)
     with select_kernel(CURRENT if args.select == "all" else args.select):
         rows = [Row(op, prob.N, prob.path(), timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
-    if args.select == "all":
-        rounds = args.rounds if cuda else 1  # on the CPU a smoke run of the code path: one round is all it needs
-        results["selection"] = compare_selection(prob, timer, (iters, warmup, rounds), peak, cuda)
     if args.compare_ref and cuda:
         with forced_ref():
             rows += [Row(op, prob.N, "ref", timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
@@ -313,7 +310,6 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
         title = "CPU smoke run of the code path (tiny size, refs or forced interpreter): NOT a measurement; " + title
     print_rows(title, rows, peak, bandwidth=cuda)
     results["kernels"] = [asdict(r) | {"gbps": r.gbps} for r in rows]
-    del prob
 
     # The whole sparse step against fused AdamW (and the dense AdamS kernel of the warm-up steps).
     all_steps: list[Row] = []
@@ -331,7 +327,20 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
             title = "CPU smoke run (tiny size): NOT a measurement; " + title
         print_rows(title, all_steps, peak, bandwidth=cuda)
     results["steps"] = [asdict(r) | {"gbps": r.gbps} for r in all_steps]
+    if args.select == "all":  # last: whatever a candidate does, the default's numbers are in already
+        rounds = args.rounds if cuda else 1  # on the CPU a smoke run of the code path: one round is all it needs
+        results["selection"] = guarded([], compare_selection, prob, timer, (iters, warmup, rounds), peak, cuda)
     return results
+
+
+def guarded(fallback: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or ``fallback`` when it raises (said in one line): a candidate kernel's failure is a result of
+    its own, and the rest of the run goes on."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # a candidate that does not compile or run on this device
+        print(f"a candidate selection kernel failed here: {type(exc).__name__}: {exc}")
+        return fallback
 
 
 def step_rows(n: int, args: argparse.Namespace, device: str) -> list[Row]:
@@ -350,14 +359,18 @@ def step_rows(n: int, args: argparse.Namespace, device: str) -> list[Row]:
         print(f"\nskipping N={n:,}: needs about {need / 2**30:.1f} GiB, {free_bytes() / 2**30:.1f} GiB free")
         return []
     prob = Problem(n, args.chunk_size, args.density, args.exploration, dtype, device)
-    scapes = []
-    for kernel in (CURRENT, *CANDIDATES) if args.select == "all" else (args.select,):
-        with select_kernel(kernel):
-            ms = timer(prob.sparse_step, iters, warmup)
-        label = "SCAPE sparse step" + ("" if kernel == CURRENT else f" [{kernel}]")
-        scapes.append(Row(label, prob.N, prob.path(), ms, prob.bytes("sparse_step")))
+    kernel = CURRENT if args.select == "all" else args.select
+    with select_kernel(kernel):
+        ms = timer(prob.sparse_step, iters, warmup)
+    scapes = [Row("SCAPE sparse step" + ("" if kernel == CURRENT else f" [{kernel}]"), prob.N, prob.path(), ms, 0)]
     dense = Row("dense AdamS (dense_adams)", prob.N, prob.path(), timer(prob.dense_adams, iters, warmup), 0)
     dense.bytes_moved = prob.bytes("dense_adams")
+    for name in CANDIDATES if args.select == "all" else ():  # after the default's: see guarded()
+        ms = guarded(None, _timed_with, name, prob.sparse_step, timer, iters, warmup)
+        if ms is not None:
+            scapes.append(Row(f"SCAPE sparse step [{name}]", prob.N, prob.path(), ms, 0))
+    for row in scapes:
+        row.bytes_moved = prob.bytes("sparse_step")
     adamw_bytes = prob.bytes("adamw_fused")
     del prob
     step, keep = adamw_fused(n, dtype, device)
@@ -365,6 +378,18 @@ def step_rows(n: int, args: argparse.Namespace, device: str) -> list[Row]:
     adamw = Row(label, n, "torch", timer(step, iters, warmup), adamw_bytes)
     del step, keep
     return [*scapes, dense, adamw]
+
+
+def _timed_with(
+    kernel: str,
+    fn: Callable[[], object],
+    timer: Callable[[Callable[[], object], int, int], float],
+    iters: int,
+    warmup: int,
+) -> float:
+    """``timer(fn)`` with the selection kernel ``kernel``."""
+    with select_kernel(kernel):
+        return timer(fn, iters, warmup)
 
 
 def compare_selection(
@@ -447,25 +472,51 @@ def check(
         base = Problem(rows * C, C, density, exploration, dtype, device)
         base.values.normal_()  # the averaged slot values sparse_adams reads
         base.new_values.normal_()  # the new slot values scatter_decay writes
-        runs = [(op, CURRENT) for op in OPS] + [(op, name) for name in CANDIDATES for op in SELECT_OPS]
-        for op, search in runs:
-            kernel, ref = base.clone(), base.clone()
-            with select_kernel(search):
-                getattr(kernel, op)()
-            with forced_ref():
-                getattr(ref, op)()
-            label = op if search == CURRENT else f"{op}[{search}]"
-            for name in STATE:
-                a, b = getattr(kernel, name), getattr(ref, name)
-                if op in EXACT_OPS or not a.is_floating_point():
-                    ok = torch.equal(a, b)
-                else:
-                    ok = torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
-                if not ok:
-                    bad = int((a != b).sum())
-                    failures.append(f"{label} (C={C}, d={density}, {rows} rows): {name} differs in {bad} values")
-        print(f"checked C={C} d={density} rows={rows} on {device} ({base.path()} vs ref; every selection kernel)")
-    return failures if device == "cpu" else failures + check_hard_selection(device, dtype)
+        for op in OPS:
+            failures += compare_op(base, op, CURRENT, f"C={C}, d={density}, {rows} rows", (rtol, atol))
+        print(f"checked C={C} d={density} rows={rows} on {device} ({base.path()} vs ref)")
+    return failures if device == "cpu" else failures + check_hard_selection(device, dtype, (CURRENT,))
+
+
+def check_candidates(
+    device: str, dtype: torch.dtype, exploration: float, cases: tuple[tuple[int, float, int], ...] = CHECK_CASES
+) -> list[str]:
+    """The candidate selection kernels (:data:`CANDIDATES`) against the refs, as :func:`check` checks the default,
+    and on :func:`hard_scores` (on CUDA); the failures, a candidate that raises among them (one line)."""
+    failures = []
+    for C, density, rows in cases:
+        base = Problem(rows * C, C, density, exploration, dtype, device)
+        for name in CANDIDATES:
+            for op in SELECT_OPS:
+                where = f"C={C}, d={density}, {rows} rows"
+                failures += guarded([f"{op}[{name}] raised"], compare_op, base, op, name, where, (0.0, 0.0))
+    print(f"checked the candidate selection kernels ({', '.join(CANDIDATES)}) on {device}")
+    return failures if device == "cpu" else failures + check_hard_selection(device, dtype, CANDIDATES)
+
+
+def compare_op(base: Problem, op: str, kernel: str, where: str, tolerance: tuple[float, float]) -> list[str]:
+    """``op`` on the dispatched path (with selection kernel ``kernel``) against its ref from ``base``'s state.
+
+    Returns:
+        One line per tensor that differs (the exact ops: at all; the AdamS arithmetic: beyond ``(rtol, atol)``).
+    """
+    rtol, atol = tolerance
+    mine, ref = base.clone(), base.clone()
+    with select_kernel(kernel):
+        getattr(mine, op)()
+    with forced_ref():
+        getattr(ref, op)()
+    label = op if kernel == CURRENT else f"{op}[{kernel}]"
+    failures = []
+    for name in STATE:
+        a, b = getattr(mine, name), getattr(ref, name)
+        if op in EXACT_OPS or not a.is_floating_point():
+            ok = torch.equal(a, b)
+        else:
+            ok = torch.allclose(a.float(), b.float(), rtol=rtol, atol=atol)
+        if not ok:
+            failures.append(f"{label} ({where}): {name} differs in {int((a != b).sum())} values")
+    return failures
 
 
 def hard_scores(rows: int, chunk_size: int, k: int, gen: torch.Generator) -> dict[str, Tensor]:
@@ -486,8 +537,8 @@ def hard_scores(rows: int, chunk_size: int, k: int, gen: torch.Generator) -> dic
     return {"zeros": torch.zeros(rows * C), "shared": shared, "packed": packed, **outliers}
 
 
-def check_hard_selection(device: str, dtype: torch.dtype, rows: int = 7) -> list[str]:
-    """Every selection kernel against the refs on :func:`hard_scores` (C = 1024 and 4096); the failures."""
+def check_hard_selection(device: str, dtype: torch.dtype, kernels: tuple[str, ...], rows: int = 7) -> list[str]:
+    """The selection ``kernels`` against the refs on :func:`hard_scores` (C = 1024 and 4096); the failures."""
     failures = []
     for C, k in ((1024, 10), (4096, 41)):
         gen = torch.Generator().manual_seed(C)
@@ -497,14 +548,19 @@ def check_hard_selection(device: str, dtype: torch.dtype, rows: int = 7) -> list
             for ke, off in ((0, 0), (max(1, k // 10), C - 1)):
                 with forced_ref():
                     want = (K.chunk_topk(s, C, k, ke, off), K.select_mask(m, 0 * m, 0.9, "momentum", C, k, ke, off))
-                for search in (CURRENT, *CANDIDATES):
-                    with select_kernel(search):
-                        got = (K.chunk_topk(s, C, k, ke, off), K.select_mask(m, 0 * m, 0.9, "momentum", C, k, ke, off))
-                    for op, g, w in zip(SELECT_OPS[::-1], got, want, strict=True):
-                        if not torch.equal(g, w):
+                for search in kernels:
+                    got = guarded(None, _selections, search, s, m, C, k, ke, off)
+                    for op, g, w in zip(SELECT_OPS[::-1], got or (None, None), want, strict=True):
+                        if g is None or not torch.equal(g, w):
                             failures.append(f"{op}[{search}] ({name}, C={C}, k={k}, k_explore={ke}) differs")
-    print(f"checked every selection kernel on hard scores on {device}")
+    print(f"checked the selection kernels {', '.join(kernels)} on hard scores on {device}")
     return failures
+
+
+def _selections(kernel: str, s: Tensor, m: Tensor, C: int, k: int, ke: int, off: int) -> tuple[Tensor, Tensor]:  # noqa: N803
+    """``chunk_topk`` of scores ``s`` and ``select_mask`` of momentum ``m`` (zero residual), on ``kernel``."""
+    with select_kernel(kernel):
+        return K.chunk_topk(s, C, k, ke, off), K.select_mask(m, 0 * m, 0.9, "momentum", C, k, ke, off)
 
 
 @contextlib.contextmanager
@@ -573,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
             print("check: no GPU and no forced interpreter (TRITON_INTERPRET=1 LIGHTNING_SCAPE_FORCE_TRITON=1)")
         else:
             failures = check(device, DTYPES[args.dtype], args.exploration)
+            if args.select == "all":
+                failures += check_candidates(device, DTYPES[args.dtype], args.exploration)
             print("\n".join(["check FAILED:", *failures]) if failures else "check passed: kernels match the refs")
             if failures:
                 return 1

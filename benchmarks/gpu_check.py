@@ -105,13 +105,15 @@ def env(**values: str | None) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def kernels_against_refs(device: str, tiny: bool) -> dict[str, list[str]]:
-    """Per dtype, the ops whose kernel differs from its reference (``bench_kernels.check``)."""
+def kernels_against_refs(device: str, tiny: bool, candidates: bool = False) -> dict[str, list[str]]:
+    """Per dtype, the ops whose kernel differs from its reference (``bench_kernels.check``); with ``candidates``,
+    the candidate selection kernels' (``bench_kernels.check_candidates``)."""
     from benchmarks import bench_kernels
 
     cases = TINY_CASES if tiny else bench_kernels.CHECK_CASES
+    check = bench_kernels.check_candidates if candidates else bench_kernels.check
     return {
-        name: bench_kernels.check(device, dtype, exploration=0.1, cases=cases)
+        name: check(device, dtype, exploration=0.1, cases=cases)
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
     }
 
@@ -290,6 +292,9 @@ def report_md(report: dict[str, Any]) -> str:
     lines += ["", "## Kernels against their references", ""]
     for dtype, failures in report["kernel_check"].items():
         lines.append(f"- {dtype}: " + ("every op matches" if not failures else "FAILED: " + "; ".join(failures)))
+    for dtype, failures in report.get("candidate_check", {}).items():
+        result = "both match" if not failures else "differ (the default is unaffected): " + "; ".join(failures)
+        lines.append(f"- {dtype}, the candidate selection kernels (LIGHTNING_SCAPE_SELECT_KERNEL): {result}")
     lines += ["", "## Bandwidth", ""]
     if dev["cuda"]:
         lines += ["| op | path | values | median ms | GB/s | % of peak |", "|---|---|---|---|---|---|"]
@@ -386,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with env(LIGHTNING_SCAPE_FORCE_TRITON=None if cuda else "1", LIGHTNING_SCAPE_FORCE_REF=None):
         report["kernel_check"] = kernels_against_refs(device, args.tiny)
-        report["bandwidth"] = bandwidth(device, args.peak_gbps, args.tiny)
+        report["bandwidth"] = bandwidth(device, args.peak_gbps, args.tiny)  # the candidates' timings come last
     if not cuda:
         one_launch_at_a_time()
     runs = {"kernel": train(size, device, reference=False), "reference": train(size, device, reference=True)}
@@ -394,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         r["median_step_s"] = statistics.median(r["step_s"])
     agreement = losses_agree(runs["kernel"]["losses"], runs["reference"]["losses"])
     report["training"] = {"size": dataclasses.asdict(size), **runs, "agreement": agreement}
+    # The candidate selection kernels last in this process: whatever they do, the default's results are in. Their
+    # failures are theirs (the check passes on the default kernels), and the scale run below is another process.
+    with env(LIGHTNING_SCAPE_FORCE_TRITON=None if cuda else "1", LIGHTNING_SCAPE_FORCE_REF=None):
+        report["candidate_check"] = kernels_against_refs(device, args.tiny, candidates=True)
     on_kernels = all(p == "triton" for p in runs["kernel"]["bucket_paths"])
     report["passed"] = not any(report["kernel_check"].values()) and agreement["agree"] and on_kernels
     text = write_report(report, args.out)  # before the scale run: a scale run cut short leaves this report whole

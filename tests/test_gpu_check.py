@@ -35,6 +35,7 @@ def test_tiny_run_checks_the_kernels_trains_on_them_and_writes_the_report(tmp_pa
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] and not report["device"]["cuda"]
     assert report["kernel_check"] == {"fp32": [], "bf16": []}
+    assert report["candidate_check"] == {"fp32": [], "bf16": []}  # the candidate selection kernels ran and agree
     assert "scale" not in report
     training = report["training"]
     # The first run trained on the (interpreted) kernels in every bucket, the second on the references.
@@ -63,3 +64,19 @@ def test_losses_agree_step_by_step_and_at_the_end() -> None:
     assert not losses_agree([*ref[:-1], math.nan], ref)["agree"]
     with pytest.raises(ValueError, match="compare equal, non-empty runs"):
         losses_agree(ref[:10], ref)
+
+
+def test_a_candidate_selection_kernel_that_raises_is_a_failure_line_not_the_end_of_the_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU a candidate may not compile or run; the check names it and goes on (the scale run must follow)."""
+    import torch
+
+    from benchmarks import bench_kernels
+
+    def broken(*args: object) -> list[str]:
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(bench_kernels, "compare_op", broken)
+    failures = bench_kernels.check_candidates("cpu", torch.float32, 0.1, cases=((64, 0.1, 2),))
+    assert failures == [f"{op}[{name}] raised" for name in bench_kernels.CANDIDATES for op in bench_kernels.SELECT_OPS]
