@@ -272,6 +272,12 @@ def test_rank_files_are_tied_to_their_checkpoint(tmp_path: Any) -> None:
         checkpoint_protocol.check_module_state(
             make_net(), {**make_net().state_dict(), "0.bias": torch.zeros(3)}, True, "ckpt"
         )
+    # The FSDP form compares with the shapes of this rank's shards, not with the module's whole tensors.
+    shards = {k: torch.Size([1, *v.shape[1:]]) for k, v in make_net().state_dict().items()}
+    local = {k: torch.zeros(shape) for k, shape in shards.items()}
+    checkpoint_protocol.check_module_state(make_net(), local, True, "shard", own_shapes=shards)
+    with pytest.raises(ValueError, match=r"0\.bias: saved \(\d+,\), model \(1,\)"):
+        checkpoint_protocol.check_module_state(make_net(), make_net().state_dict(), True, "shard", own_shapes=shards)
 
 
 def test_rank_zero_removes_the_rank_directory_when_another_rank_deletes_its_file_during_the_removal(

@@ -653,15 +653,21 @@ def _exists(fs: Any, path: str) -> bool:
         return False
 
 
-def check_module_state(module: Module, state: Any, strict: bool, where: str) -> None:
-    """Raise before anything is loaded when ``state`` does not fit ``module`` (keys or shapes)."""
+def check_module_state(
+    module: Module, state: Any, strict: bool, where: str, own_shapes: Mapping[str, Any] | None = None
+) -> None:
+    """Raise before anything is loaded when ``state`` does not fit ``module`` (keys or shapes).
+
+    ``own_shapes``: the shapes the module's state is saved with, where they are not its ``state_dict``'s (this
+    rank's shards under FSDP: ``fsdp_checkpoint.local_module_state_shapes``).
+    """
     if not isinstance(state, Mapping):
         raise ValueError(f"{where}: expected a model state dict, found {type(state).__name__}.")
-    own = module.state_dict()
+    own = own_shapes or {k: getattr(v, "shape", None) for k, v in module.state_dict().items()}
     wrong = [
-        f"{k}: saved {tuple(v.shape)}, model {tuple(own[k].shape)}"
+        f"{k}: saved {tuple(v.shape)}, model {tuple(own[k])}"
         for k, v in state.items()
-        if k in own and isinstance(v, Tensor) and v.shape != own[k].shape
+        if k in own and own[k] is not None and isinstance(v, Tensor) and v.shape != own[k]
     ]
     missing = [k for k in own if k not in state] if strict else []
     unexpected = [k for k in state if k not in own] if strict else []

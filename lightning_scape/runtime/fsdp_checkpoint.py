@@ -25,6 +25,7 @@ from torch.nn import Module
 
 from lightning_scape.comm.rank_failures import agree, agreed
 from lightning_scape.engine.fsdp_binding import ShardGrid
+from lightning_scape.runtime.checkpoint_protocol import check_module_state
 from lightning_scape.runtime.optimizer import ScapeOptimizer
 
 FORMAT = "scape_fsdp"
@@ -136,7 +137,8 @@ def _read_and_check(
         raise ValueError(f"The checkpoint {path} holds no {missing}; it has {meta['modules'] + meta['optimizers']}.")
     for key, module in modules.items():
         if key in shard["modules"]:
-            _check_module(module, shard["modules"][key], strict, f"{path} [{key}]")
+            where = f"{path} [{key}]"
+            check_module_state(module, shard["modules"][key], strict, where, local_module_state_shapes(module))
     for key, opt in optimizers.items():
         if key in shard["optimizers"]:
             opt.check_state_dict(shard["optimizers"][key])
@@ -155,18 +157,6 @@ def _check_layout(meta: Mapping[str, Any], grid: ShardGrid, path: Path) -> None:
         f"with ScapeFSDPStrategy(shard_size={S}) on {W} processes ({W // S} nodes of {S}, for example). Nothing "
         "was loaded."
     )
-
-
-def _check_module(module: Module, saved: Mapping[str, Tensor], strict: bool, where: str) -> None:
-    own = local_module_state_shapes(module)
-    wrong = [f"{k}: saved {tuple(v.shape)}, here {own[k]}" for k, v in saved.items() if k in own and v.shape != own[k]]
-    missing = [k for k in own if k not in saved] if strict else []
-    unexpected = [k for k in saved if k not in own] if strict else []
-    if wrong or missing or unexpected:
-        raise ValueError(
-            f"{where} does not fit the model (shape mismatch {wrong[:5]}, missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}): it comes from another model configuration. Nothing was loaded."
-        )
 
 
 def local_module_state_shapes(module: Module) -> dict[str, torch.Size]:
