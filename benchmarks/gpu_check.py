@@ -10,13 +10,15 @@ SCAPE's quality at scale (``benchmarks.scale``).
 1. **Kernels against references**: every Triton kernel against its pure-PyTorch reference from the same
    state, fp32 and bf16 (``bench_kernels.check``): indices, error feedback and scatter/decay bit for bit,
    the AdamS arithmetic within tolerance, as ``tests/test_kernels.py`` requires on the CPU.
-2. **Bandwidth**: each kernel's achieved DRAM bandwidth against the device's peak, and the whole sparse
-   optimizer step against fused AdamW (``bench_kernels.run``).
-3. **Training**: a small litgpt model (``lightning_scape.examples.workloads``' ``small`` preset), W = 2 ranks in
+2. **Training**: a small litgpt model (``lightning_scape.examples.workloads``' ``small`` preset), W = 2 ranks in
    one process (``lightning_scape.simulate``), ``bf16-mixed`` (bf16 autocast, fp32 parameters; fp32 with
    ``--tiny``), SCAPE at
    d = 0.01 with a schedule that fits the run, trained twice from the same weights on the same batches:
    on the Triton kernels and on the references (``LIGHTNING_SCAPE_FORCE_REF=1``). Their losses must agree.
+3. **Bandwidth**: each kernel's achieved DRAM bandwidth against the device's peak, and the whole sparse
+   optimizer step against fused AdamW (``bench_kernels.run``); then the candidate selection kernels
+   (``LIGHTNING_SCAPE_SELECT_KERNEL``) timed beside the default and checked against the references
+   (``bench_kernels.check_candidates``), last and guarded: their results are reported apart from the check's.
 4. **Scale** (unless ``--no-scale``): ``python -m benchmarks.scale`` in a process of its own, given what is left of
    ``--total-budget-s`` (780 s: 13 minutes in all), at most its own 8 minutes; it writes under ``--out``/scale.
 
@@ -391,7 +393,6 @@ def main(argv: list[str] | None = None) -> int:
     }
     with env(LIGHTNING_SCAPE_FORCE_TRITON=None if cuda else "1", LIGHTNING_SCAPE_FORCE_REF=None):
         report["kernel_check"] = kernels_against_refs(device, args.tiny)
-        report["bandwidth"] = bandwidth(device, args.peak_gbps, args.tiny)  # the candidates' timings come last
     if not cuda:
         one_launch_at_a_time()
     runs = {"kernel": train(size, device, reference=False), "reference": train(size, device, reference=True)}
@@ -399,9 +400,11 @@ def main(argv: list[str] | None = None) -> int:
         r["median_step_s"] = statistics.median(r["step_s"])
     agreement = losses_agree(runs["kernel"]["losses"], runs["reference"]["losses"])
     report["training"] = {"size": dataclasses.asdict(size), **runs, "agreement": agreement}
-    # The candidate selection kernels last in this process: whatever they do, the default's results are in. Their
-    # failures are theirs (the check passes on the default kernels), and the scale run below is another process.
+    # The candidate selection kernels last in this process (their timings end the bandwidth part): whatever they do,
+    # the default's results are in. Their failures are theirs (the check passes on the default kernels), and the
+    # scale run below is another process.
     with env(LIGHTNING_SCAPE_FORCE_TRITON=None if cuda else "1", LIGHTNING_SCAPE_FORCE_REF=None):
+        report["bandwidth"] = bandwidth(device, args.peak_gbps, args.tiny)
         report["candidate_check"] = kernels_against_refs(device, args.tiny, candidates=True)
     on_kernels = all(p == "triton" for p in runs["kernel"]["bucket_paths"])
     report["passed"] = not any(report["kernel_check"].values()) and agreement["agree"] and on_kernels
