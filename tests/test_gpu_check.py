@@ -35,7 +35,9 @@ def test_tiny_run_checks_the_kernels_trains_on_them_and_writes_the_report(tmp_pa
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] and not report["device"]["cuda"]
     assert report["kernel_check"] == {"fp32": [], "bf16": []}
-    assert report["candidate_check"] == {"fp32": [], "bf16": []}  # the candidate selection kernels ran and agree
+    # The candidates' check ran (at these chunk sizes they take the default's path; tests/test_kernels.py checks them
+    # where they differ, C >= 1024).
+    assert report["candidate_check"] == {"fp32": [], "bf16": []}
     assert "scale" not in report
     training = report["training"]
     # The first run trained on the (interpreted) kernels in every bucket, the second on the references.

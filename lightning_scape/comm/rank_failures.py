@@ -43,7 +43,7 @@ def agree(error: BaseException | None, what: str) -> None:
             f"{what} failed on rank {failed[0]} of {world_size}: {messages[failed[0]]}\nEvery rank stops; "
             "nothing was loaded or changed."
         )
-    elif dist.get_rank() == 0 and world_size > 1:
+    elif dist.get_rank() == 0 and world_size > 1 and hasattr(error, "add_note"):  # Python 3.10 has no notes
         error.add_note(
             f"(lightning_scape: {what} failed on {_ranks(failed)} of {world_size}; every rank stops, this one reports.)"
         )
