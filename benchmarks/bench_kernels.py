@@ -4,7 +4,7 @@
     python benchmarks/bench_kernels.py --sizes 1e8 --dtype bf16 # skip 1e9 (about 20 GB at fp32)
     python benchmarks/bench_kernels.py --peak-gbps 3350         # device not in the peak table
     python benchmarks/bench_kernels.py --compare-ref            # also time the pure-PyTorch refs on the GPU
-    python benchmarks/bench_kernels.py --select prefilter       # only the default selection kernel
+    python benchmarks/bench_kernels.py --select walk            # only the default selection kernel
 
 Per kernel: the bytes it must move (formulas in docs/kernels.md), the median time over ``--iters`` launches
 measured with CUDA events, the achieved GB/s and its fraction of the GPU's peak DRAM bandwidth (from the
@@ -14,8 +14,9 @@ W > 1 are not part of it), compared with ``torch.optim.AdamW(fused=True)`` and t
 the same N. Without a CUDA GPU the script says so, runs the code path on a tiny CPU size with the refs
 (not a measurement) and exits 0.
 
-The selection (``select_mask``, ``chunk_topk``) has two candidate kernels behind
-``LIGHTNING_SCAPE_SELECT_KERNEL`` (``walk``, ``split``; ``lightning_scape/kernels/chunk_topk.py``). ``--select all``
+The selection (``select_mask``, ``chunk_topk``) has two alternative kernels behind
+``LIGHTNING_SCAPE_SELECT_KERNEL`` (``prefilter``, the former default, and ``split``;
+``lightning_scape/kernels/chunk_topk.py``). ``--select all``
 (the default) checks them against the refs with the other kernels (``--check``) and times them against the
 default in alternating rounds (``--rounds``; medians of the rounds, and the median of the per-round ratios): on
 the kernel table's problem, on an all-zero state (a chunk of ties), on heavy-tailed scores (the walk gives up
@@ -77,9 +78,9 @@ STATE = (
 )
 EXACT_OPS = ("ef_compact", "select_mask", "chunk_topk", "scatter_decay", "round_int8")
 INT8_GROUP = INT8_DENSE_GROUP  # a dense step's coordinates per scale in the int8 wire
-# The selection kernels (LIGHTNING_SCAPE_SELECT_KERNEL): the default, then the candidates.
+# The selection kernels (LIGHTNING_SCAPE_SELECT_KERNEL): the default, then the alternatives.
 SELECT_ENV = "LIGHTNING_SCAPE_SELECT_KERNEL"
-CURRENT, CANDIDATES = "prefilter", ("walk", "split")
+CURRENT, ALTERNATIVES = "walk", ("prefilter", "split")
 SELECT_OPS = ("select_mask", "chunk_topk")
 
 
@@ -327,19 +328,19 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
             title = "CPU smoke run (tiny size): NOT a measurement; " + title
         print_rows(title, all_steps, peak, bandwidth=cuda)
     results["steps"] = [asdict(r) | {"gbps": r.gbps} for r in all_steps]
-    if args.select == "all":  # last: whatever a candidate does, the default's numbers are in already
+    if args.select == "all":  # last: whatever an alternative does, the default's numbers are in already
         rounds = args.rounds if cuda else 1  # on the CPU a smoke run of the code path: one round is all it needs
         results["selection"] = guarded([], compare_selection, prob, timer, (iters, warmup, rounds), peak, cuda)
     return results
 
 
 def guarded(fallback: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, or ``fallback`` when it raises (said in one line): a candidate kernel's failure is a result of
+    """``fn(*args)``, or ``fallback`` when it raises (said in one line): an alternative kernel's failure is a result of
     its own, and the rest of the run goes on."""
     try:
         return fn(*args)
-    except Exception as exc:  # a candidate that does not compile or run on this device
-        print(f"a candidate selection kernel failed here: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # an alternative that does not compile or run on this device
+        print(f"a alternative selection kernel failed here: {type(exc).__name__}: {exc}")
         return fallback
 
 
@@ -365,7 +366,7 @@ def step_rows(n: int, args: argparse.Namespace, device: str) -> list[Row]:
     scapes = [Row("SCAPE sparse step" + ("" if kernel == CURRENT else f" [{kernel}]"), prob.N, prob.path(), ms, 0)]
     dense = Row("dense AdamS (dense_adams)", prob.N, prob.path(), timer(prob.dense_adams, iters, warmup), 0)
     dense.bytes_moved = prob.bytes("dense_adams")
-    for name in CANDIDATES if args.select == "all" else ():  # after the default's: see guarded()
+    for name in ALTERNATIVES if args.select == "all" else ():  # after the default's: see guarded()
         ms = guarded(None, _timed_with, name, prob.sparse_step, timer, iters, warmup)
         if ms is not None:
             scapes.append(Row(f"SCAPE sparse step [{name}]", prob.N, prob.path(), ms, 0))
@@ -399,12 +400,12 @@ def compare_selection(
     peak: float | None,
     cuda: bool,
 ) -> list[dict[str, Any]]:
-    """The default and the candidate selection kernels timed in alternating rounds on ``prob``'s state.
+    """The default and the alternative selection kernels timed in alternating rounds on ``prob``'s state.
 
     Cases: ``select_mask`` and ``chunk_topk`` as in the kernel table, ``select_mask`` on an all-zero state (every
     chunk one tie: the split kernel's second launch takes them all) and on heavy-tailed state (each chunk's
     largest value 64x the rest: the walk gives up and bisects, its worst case). Each round times the default,
-    then each candidate (``iters`` launches each, their median).
+    then each alternative (``iters`` launches each, their median).
 
     Args:
         prob: The kernel table's problem.
@@ -414,7 +415,7 @@ def compare_selection(
         cuda: Whether this is a measurement (False: the CPU smoke run).
 
     Returns:
-        Per case: the medians over the rounds (ms) of each kernel, its GB/s, and per candidate the median of the
+        Per case: the medians over the rounds (ms) of each kernel, its GB/s, and per alternative the median of the
         per-round ratios of its time to the default's (``over_current``; below 1: faster).
     """
     iters, warmup, rounds = counts
@@ -431,19 +432,19 @@ def compare_selection(
     rows: list[Row] = []
     out: list[dict[str, Any]] = []
     for case, (fn, nbytes) in cases.items():
-        times: dict[str, list[float]] = {name: [] for name in (CURRENT, *CANDIDATES)}
+        times: dict[str, list[float]] = {name: [] for name in (CURRENT, *ALTERNATIVES)}
         for _ in range(rounds):
             for name, series in times.items():
                 with select_kernel(name):
                     series.append(timer(fn, iters, warmup))
         ratios = {name: statistics.median(c / p for p, c in zip(times[CURRENT], times[name], strict=True))
-                  for name in CANDIDATES}  # fmt: skip
+                  for name in ALTERNATIVES}  # fmt: skip
         medians = {name: statistics.median(t) for name, t in times.items()}
         rows += [Row(f"{case} [{name}]", prob.N, prob.path(), ms, nbytes) for name, ms in medians.items()]
         gbps = {name: nbytes / (ms * 1e-3) / 1e9 for name, ms in medians.items()}
         out.append({"case": case, "rounds": rounds, "median_ms": medians, "gbps": gbps,
                     "over_current": ratios})  # fmt: skip
-    title = f"selection: the default and the candidates ({', '.join(CANDIDATES)}), {rounds} alternating rounds"
+    title = f"selection: the default and the alternatives ({', '.join(ALTERNATIVES)}), {rounds} alternating rounds"
     if not cuda:
         title = "CPU smoke run (tiny size): NOT a measurement; " + title
     print_rows(title, rows, peak, bandwidth=cuda)
@@ -478,20 +479,20 @@ def check(
     return failures if device == "cpu" else failures + check_hard_selection(device, dtype, (CURRENT,))
 
 
-def check_candidates(
+def check_alternatives(
     device: str, dtype: torch.dtype, exploration: float, cases: tuple[tuple[int, float, int], ...] = CHECK_CASES
 ) -> list[str]:
-    """The candidate selection kernels (:data:`CANDIDATES`) against the refs, as :func:`check` checks the default,
-    and on :func:`hard_scores` (on CUDA); the failures, a candidate that raises among them (one line)."""
+    """The alternative selection kernels (:data:`ALTERNATIVES`) against the refs, as :func:`check` checks the default,
+    and on :func:`hard_scores` (on CUDA); the failures, an alternative that raises among them (one line)."""
     failures = []
     for C, density, rows in cases:
         base = Problem(rows * C, C, density, exploration, dtype, device)
-        for name in CANDIDATES:
+        for name in ALTERNATIVES:
             for op in SELECT_OPS:
                 where = f"C={C}, d={density}, {rows} rows"
                 failures += guarded([f"{op}[{name}] raised"], compare_op, base, op, name, where, (0.0, 0.0))
-    print(f"checked the candidate selection kernels ({', '.join(CANDIDATES)}) on {device}")
-    return failures if device == "cpu" else failures + check_hard_selection(device, dtype, CANDIDATES)
+    print(f"checked the alternative selection kernels ({', '.join(ALTERNATIVES)}) on {device}")
+    return failures if device == "cpu" else failures + check_hard_selection(device, dtype, ALTERNATIVES)
 
 
 def compare_op(base: Problem, op: str, kernel: str, where: str, tolerance: tuple[float, float]) -> list[str]:
@@ -524,7 +525,7 @@ def hard_scores(rows: int, chunk_size: int, k: int, gen: torch.Generator) -> dic
 
     ``zeros``: every key tied; ``shared``: one 16-bit bin (the low bits decide); ``packed``: the top k in a few
     adjacent groups; ``outlier4`` / ``outlier5``: each chunk's largest value 4 and 5 binades above the rest (the
-    candidate search walks its last binade, or bisects instead). ``tests/test_kernels.py`` runs such scores in
+    threshold search walks its last binade, or bisects instead). ``tests/test_kernels.py`` runs such scores in
     the interpreter.
     """
     C = chunk_size
@@ -608,8 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peak-gbps", type=float, default=None, help="peak DRAM bandwidth, GB/s (overrides the table)")
     ap.add_argument("--compare-ref", action="store_true", help="also time the pure-PyTorch refs on the GPU")
     ap.add_argument(
-        "--select", choices=(CURRENT, *CANDIDATES, "all"), default="all",
-        help="selection kernel(s) to time: the default (prefilter), a candidate (walk, split), or all side by side "
+        "--select", choices=(CURRENT, *ALTERNATIVES, "all"), default="all",
+        help="selection kernel(s) to time: the default (walk), an alternative (prefilter, split), or all side by side "
         "(default)",
     )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the side-by-side selection timing")
@@ -630,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             failures = check(device, DTYPES[args.dtype], args.exploration)
             if args.select == "all":
-                failures += check_candidates(device, DTYPES[args.dtype], args.exploration)
+                failures += check_alternatives(device, DTYPES[args.dtype], args.exploration)
             print("\n".join(["check FAILED:", *failures]) if failures else "check passed: kernels match the refs")
             if failures:
                 return 1

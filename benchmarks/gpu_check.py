@@ -16,9 +16,9 @@ SCAPE's quality at scale (``benchmarks.scale``).
    d = 0.01 with a schedule that fits the run, trained twice from the same weights on the same batches:
    on the Triton kernels and on the references (``LIGHTNING_SCAPE_FORCE_REF=1``). Their losses must agree.
 3. **Bandwidth**: each kernel's achieved DRAM bandwidth against the device's peak, and the whole sparse
-   optimizer step against fused AdamW (``bench_kernels.run``); then the candidate selection kernels
+   optimizer step against fused AdamW (``bench_kernels.run``); then the alternative selection kernels
    (``LIGHTNING_SCAPE_SELECT_KERNEL``) timed beside the default and checked against the references
-   (``bench_kernels.check_candidates``), last and guarded: their results are reported apart from the check's.
+   (``bench_kernels.check_alternatives``), last and guarded: their results are reported apart from the check's.
 4. **Scale** (unless ``--no-scale``): ``python -m benchmarks.scale`` in a process of its own, given what is left of
    ``--total-budget-s`` (780 s: 13 minutes in all), at most its own 8 minutes; it writes under ``--out``/scale.
 
@@ -107,13 +107,13 @@ def env(**values: str | None) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def kernels_against_refs(device: str, tiny: bool, candidates: bool = False) -> dict[str, list[str]]:
-    """Per dtype, the ops whose kernel differs from its reference (``bench_kernels.check``); with ``candidates``,
-    the candidate selection kernels' (``bench_kernels.check_candidates``)."""
+def kernels_against_refs(device: str, tiny: bool, alternatives: bool = False) -> dict[str, list[str]]:
+    """Per dtype, the ops whose kernel differs from its reference (``bench_kernels.check``); with ``alternatives``,
+    the alternative selection kernels' (``bench_kernels.check_alternatives``)."""
     from benchmarks import bench_kernels
 
     cases = TINY_CASES if tiny else bench_kernels.CHECK_CASES
-    check = bench_kernels.check_candidates if candidates else bench_kernels.check
+    check = bench_kernels.check_alternatives if alternatives else bench_kernels.check
     return {
         name: check(device, dtype, exploration=0.1, cases=cases)
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
@@ -294,9 +294,9 @@ def report_md(report: dict[str, Any]) -> str:
     lines += ["", "## Kernels against their references", ""]
     for dtype, failures in report["kernel_check"].items():
         lines.append(f"- {dtype}: " + ("every op matches" if not failures else "FAILED: " + "; ".join(failures)))
-    for dtype, failures in report.get("candidate_check", {}).items():
+    for dtype, failures in report.get("alternative_check", {}).items():
         result = "both match" if not failures else "differ (the default is unaffected): " + "; ".join(failures)
-        lines.append(f"- {dtype}, the candidate selection kernels (LIGHTNING_SCAPE_SELECT_KERNEL): {result}")
+        lines.append(f"- {dtype}, the alternative selection kernels (LIGHTNING_SCAPE_SELECT_KERNEL): {result}")
     lines += ["", "## Bandwidth", ""]
     if dev["cuda"]:
         lines += ["| op | path | values | median ms | GB/s | % of peak |", "|---|---|---|---|---|---|"]
@@ -400,12 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         r["median_step_s"] = statistics.median(r["step_s"])
     agreement = losses_agree(runs["kernel"]["losses"], runs["reference"]["losses"])
     report["training"] = {"size": dataclasses.asdict(size), **runs, "agreement": agreement}
-    # The candidate selection kernels last in this process (their timings end the bandwidth part): whatever they do,
+    # The alternative selection kernels last in this process (their timings end the bandwidth part): whatever they do,
     # the default's results are in. Their failures are theirs (the check passes on the default kernels), and the
     # scale run below is another process.
     with env(LIGHTNING_SCAPE_FORCE_TRITON=None if cuda else "1", LIGHTNING_SCAPE_FORCE_REF=None):
         report["bandwidth"] = bandwidth(device, args.peak_gbps, args.tiny)
-        report["candidate_check"] = kernels_against_refs(device, args.tiny, candidates=True)
+        report["alternative_check"] = kernels_against_refs(device, args.tiny, alternatives=True)
     on_kernels = all(p == "triton" for p in runs["kernel"]["bucket_paths"])
     report["passed"] = not any(report["kernel_check"].values()) and agreement["agree"] and on_kernels
     text = write_report(report, args.out)  # before the scale run: a scale run cut short leaves this report whole

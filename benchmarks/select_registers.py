@@ -5,7 +5,7 @@
     python -m benchmarks.select_registers --common-path  # the code a chunk of untied scores runs, alone
 
 Compiles ``chunk_topk.py``'s ``_select_kernel`` as each value of ``LIGHTNING_SCAPE_SELECT_KERNEL`` runs it (the
-default ``prefilter``, the candidates ``walk`` and ``split``, and the split's second launch) with the triton
+default ``walk``, the alternatives ``prefilter`` and ``split``, and the split's second launch) with the triton
 wheel's own ``ptxas`` for sm_90, with the 16-byte pointer alignment a real launch specializes on, and reads the
 cubin with ``cuobjdump``:
 registers per thread (65,536 registers / (32 x registers) decide the warps an SM keeps resident), stack

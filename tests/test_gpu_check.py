@@ -35,9 +35,9 @@ def test_tiny_run_checks_the_kernels_trains_on_them_and_writes_the_report(tmp_pa
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] and not report["device"]["cuda"]
     assert report["kernel_check"] == {"fp32": [], "bf16": []}
-    # The candidates' check ran (at these chunk sizes they take the default's path; tests/test_kernels.py checks them
+    # The alternatives' check ran (at these chunk sizes they take the default's path; tests/test_kernels.py checks them
     # where they differ, C >= 1024).
-    assert report["candidate_check"] == {"fp32": [], "bf16": []}
+    assert report["alternative_check"] == {"fp32": [], "bf16": []}
     assert "scale" not in report
     training = report["training"]
     # The first run trained on the (interpreted) kernels in every bucket, the second on the references.
@@ -68,10 +68,10 @@ def test_losses_agree_step_by_step_and_at_the_end() -> None:
         losses_agree(ref[:10], ref)
 
 
-def test_a_candidate_selection_kernel_that_raises_is_a_failure_line_not_the_end_of_the_check(
+def test_an_alternative_selection_kernel_that_raises_is_a_failure_line_not_the_end_of_the_check(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On a GPU a candidate may not compile or run; the check names it and goes on (the scale run must follow)."""
+    """On a GPU an alternative may not compile or run; the check names it and goes on (the scale run must follow)."""
     import torch
 
     from benchmarks import bench_kernels
@@ -80,5 +80,7 @@ def test_a_candidate_selection_kernel_that_raises_is_a_failure_line_not_the_end_
         raise RuntimeError("no such instruction")
 
     monkeypatch.setattr(bench_kernels, "compare_op", broken)
-    failures = bench_kernels.check_candidates("cpu", torch.float32, 0.1, cases=((64, 0.1, 2),))
-    assert failures == [f"{op}[{name}] raised" for name in bench_kernels.CANDIDATES for op in bench_kernels.SELECT_OPS]
+    failures = bench_kernels.check_alternatives("cpu", torch.float32, 0.1, cases=((64, 0.1, 2),))
+    assert failures == [
+        f"{op}[{name}] raised" for name in bench_kernels.ALTERNATIVES for op in bench_kernels.SELECT_OPS
+    ]

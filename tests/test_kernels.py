@@ -423,8 +423,15 @@ def test_candidate_search_walks_from_the_largest_key_or_bisects_and_finds_the_sa
 
 def test_select_kernel_flag_refuses_an_unknown_search(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(select_module.SELECT_KERNEL_ENV, "wlak")
-    with pytest.raises(ValueError, match="choose one of prefilter, walk, split"):
+    with pytest.raises(ValueError, match="choose one of walk, prefilter, split"):
         K.chunk_topk_triton(torch.rand(4096), 4096, 41, 0, 0)
+
+
+def test_select_kernel_default_is_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(select_module.SELECT_KERNEL_ENV, raising=False)
+    assert select_module.selected_kernel() == "walk"
+    monkeypatch.setenv(select_module.SELECT_KERNEL_ENV, "")  # set but empty, as a shell's VAR= leaves it
+    assert select_module.selected_kernel() == "walk"
 
 
 # ---------------------------------------------------------------- int8 rounding

@@ -7,11 +7,11 @@ Each row of the result lists its k indices in ascending order.
 ``select_mask`` fuses the mask statistic into the selection: the Triton kernel reads the momentum and
 residual of a chunk once and writes its k indices, without materialising the fp32 scores.
 
-``LIGHTNING_SCAPE_SELECT_KERNEL=walk`` makes both Triton launchers find the prefilter's threshold by the
-candidate search of ``_kth_key_walk``; ``=split`` also moves the chunks the prefilter cannot narrow into a
-second launch (``_select_rare_kernel``), so that the first holds fewer registers. The same threshold and the
-same indices either way; docs/kernels.md says how they differ and how ``benchmarks/bench_kernels.py`` times
-them against the default.
+Both Triton launchers find the prefilter's threshold by the search of ``_kth_key_walk`` (down from the
+largest key's binade). ``LIGHTNING_SCAPE_SELECT_KERNEL=prefilter`` bisects all 16 bits instead (the former
+default); ``=split`` also moves the chunks the prefilter cannot narrow into a second launch
+(``_select_rare_kernel``), so that the first holds fewer registers. The same threshold and the same indices
+every way; docs/kernels.md says how they differ and how ``benchmarks/bench_kernels.py`` times them.
 """
 
 from __future__ import annotations
@@ -32,20 +32,21 @@ _STAT_MOMENTUM = 1  # |b1 * m + (1 - b1) * e|
 _STAT_GRADIENT = 2  # |e|
 _STATISTICS = {"momentum": _STAT_MOMENTUM, "gradient": _STAT_GRADIENT}
 
-# Which selection kernel runs, read at every launch: unset or "prefilter", the default; "walk", the candidate
-# threshold search; "split", the walk with the rare paths moved into a second launch. The candidates stay behind
-# this flag until a GPU timing (benchmarks/bench_kernels.py --select all) shows one faster: docs/kernels.md.
+# Which selection kernel runs, read at every launch: unset or "walk", the default (the threshold searched down
+# from the largest key, faster on an H100 in every case timed: docs/kernels.md); "prefilter", the former default's
+# 16-bit bisection; "split", the walk with the rare paths moved into a second launch. The alternatives stay so
+# that another GPU can time them against the default (benchmarks/bench_kernels.py --select all).
 SELECT_KERNEL_ENV = "LIGHTNING_SCAPE_SELECT_KERNEL"
-SELECT_KERNELS = ("prefilter", "walk", "split")
+SELECT_KERNELS = ("walk", "prefilter", "split")
 
 
 def selected_kernel() -> str:
-    """The selection kernel ``LIGHTNING_SCAPE_SELECT_KERNEL`` names: ``"prefilter"`` (unset), ``"walk"``, ``"split"``.
+    """The selection kernel ``LIGHTNING_SCAPE_SELECT_KERNEL`` names: ``"walk"`` (unset), ``"prefilter"``, ``"split"``.
 
     Raises:
         ValueError: The variable holds another value (a typo must not silently time the default).
     """
-    name = os.environ.get(SELECT_KERNEL_ENV) or "prefilter"
+    name = os.environ.get(SELECT_KERNEL_ENV) or "walk"
     if name not in SELECT_KERNELS:
         raise ValueError(f"{SELECT_KERNEL_ENV}={name!r}: choose one of {', '.join(SELECT_KERNELS)} (or unset it).")
     return name
@@ -181,7 +182,7 @@ def select_mask(
 
 
 if HAS_TRITON:
-    # Binades the candidate search walks down from the largest key before it bisects instead: the k-th
+    # Binades the threshold search walks down from the largest key before it bisects instead: the k-th
     # largest of a chunk whose largest value is over 16x its k-th largest (heavy tails) is bisected.
     WALK_BINADES = tl.constexpr(4)
 
@@ -221,7 +222,7 @@ if HAS_TRITON:
         """Order-preserving int32 keys of scores ``s`` at chunk-local indices ``idx``, ranked as the ref ranks.
 
         ``SIGNED`` False promises absolute values: no -inf, no -0.0, no sign bit but a NaN's. ``WALK``
-        (the candidate kernel) computes the same keys in fewer operations where ``SIGNED`` is False.
+        (the default kernel) computes the same keys in fewer operations where ``SIGNED`` is False.
         """
         if WALK and not SIGNED:
             return _abs_score_keys(s, idx, k_explore, offset, C)
@@ -271,7 +272,7 @@ if HAS_TRITON:
     def _kth_key_walk(
         key: tl.tensor, k: tl.tensor, n_window: tl.tensor, LOW_BIT: tl.constexpr, MAX_STEPS: tl.constexpr
     ) -> tuple[tl.tensor, tl.tensor]:
-        """:func:`_kth_key`'s result, searched from the binade of the largest key down (the candidate kernel).
+        """:func:`_kth_key`'s result, searched from the binade of the largest key down (the default kernel).
 
         The k-th largest of a chunk's group maxima lies within a few binades of the largest (window groups,
         keyed +inf, left out): count down one binade (2**23 keys) per pass from there, then bisect its 7
@@ -569,7 +570,7 @@ def _launch_select(
     if rows == 0:
         return out
     cfg = _select_config(C, k, a.element_size())
-    # The candidates change only the prefilter's path (the plain selection has no threshold search).
+    # The kernels differ only in the prefilter's path (the plain selection has no threshold search).
     search = selected_kernel() if cfg.prefilter else "prefilter"
     cfg = cfg._replace(walk=search in ("walk", "split"), split=search == "split")
     # Per-row scratch for the candidate groups' numbers (unused without the prefilter); with the split, then
@@ -618,7 +619,8 @@ def chunk_topk_triton(scores: Tensor, chunk_size: int, k: int, k_explore: int, e
 
     One program per chunk holds the chunk's keys (order-preserving int32 images of the scores) in
     registers. From C = 1024 on it prefilters: the maxima of groups of adjacent keys (one 16-byte load
-    each) give, by bisection on their top 16 bits, a lower bound of the k-th largest key; the few
+    each) give a lower bound of the k-th largest key to 16 bits (searched down from the largest
+    maximum's binade, then bisected); the few
     groups at or above it are compacted in index order through a per-row scratch, and the exact
     k-th largest is found among their keys alone. Otherwise (small chunks, large k, or too many
     candidate groups, as when a chunk is all ties) it bisects over the whole chunk (32 counting
