@@ -30,7 +30,7 @@ class RunNotices(RunSummary):
     @property
     def _schedule_notice(self) -> WarmupNotice:
         if self._notice is None:
-            self._notice = WarmupNotice()
+            self._notice = WarmupNotice(type(self).__name__)
         return self._notice
 
     def warn_if_all_dense(self, planned_steps: float | None, syntax: Syntax = "python") -> None:

@@ -36,8 +36,10 @@ class WarmupNotice:
     (Fabric) a run that never left its dense steps is told at its end.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, strategy: str = "ScapeStrategy") -> None:
+        """``strategy``: the class whose constructor the suggested settings are written for."""
         self.given = False
+        self.strategy = strategy
 
     def before_run(
         self,
@@ -60,9 +62,11 @@ class WarmupNotice:
         if dense_on_purpose(config, steps):
             return
         if steps <= config.dense_steps:
-            self._say(f"this run has {steps} optimizer steps, {_all_dense(config, steps, syntax)}", syntax)
+            self._say(
+                f"this run has {steps} optimizer steps, {_all_dense(config, steps, syntax, self.strategy)}", syntax
+            )
         elif layout and world_size:
-            message = _misfit(config, steps, layout, world_size, syntax)
+            message = _misfit(config, steps, layout, world_size, syntax, self.strategy)
             if message:
                 self._say(message, syntax)
 
@@ -81,7 +85,8 @@ class WarmupNotice:
             return
         self.given = True
         rank_zero_warn(
-            f"lightning_scape: the run ended after {steps} optimizer steps, " + _all_dense(config, steps),
+            f"lightning_scape: the run ended after {steps} optimizer steps, "
+            + _all_dense(config, steps, "python", self.strategy),
             category=DenseWarmupWarning,
         )
 
@@ -94,11 +99,11 @@ def dense_on_purpose(config: ScapeConfig, steps: int) -> bool:
     return config.wire_format == "int8" and config.dense_warmup_steps >= steps
 
 
-def _all_dense(config: ScapeConfig, steps: int, syntax: Syntax = "python") -> str:
+def _all_dense(config: ScapeConfig, steps: int, syntax: Syntax, strategy: str) -> str:
     """Why every step of a run of ``steps`` is dense, and what to pass instead."""
     if config.sparse_density > DENSE_ABOVE:
         # Not the warm-up: a step that dense is sent dense (a sparse one would send more than the whole gradient).
-        density = "--scape.density 0.01" if syntax == "cli" else "ScapeStrategy(density=0.01)"
+        density = "--scape.density 0.01" if syntax == "cli" else f"{strategy}(density=0.01)"
         return (
             f"all sent dense: density={config.sparse_density:g} is above 1/4, and SCAPE sends a step that dense as DDP "
             "does (the whole gradient; its values with their indices would be more). No step is sparse. For SCAPE's "
@@ -108,9 +113,10 @@ def _all_dense(config: ScapeConfig, steps: int, syntax: Syntax = "python") -> st
     why = f"dense_warmup_steps={config.dense_warmup_steps}"
     if ramp:
         why += f", and the first {ramp} of density_ramp_steps={config.density_ramp_steps}, denser than 1/4"
+    fitted = _settings(*scaled_schedule(steps), syntax, strategy)
     return (
         f"all sent dense by SCAPE's warm-up ({why}): every step sends the whole gradient, as DDP does, and no step "
-        f"is sparse. For a run this short pass a smaller warm-up, e.g. {_settings(*scaled_schedule(steps), syntax)}."
+        f"is sparse. For a run this short pass a smaller warm-up, e.g. {fitted}."
     )
 
 
@@ -119,13 +125,15 @@ def scaled_schedule(steps: int) -> tuple[int, int]:
     return max(1, steps * 3 // 100), steps * 2 // 5
 
 
-def _settings(warmup: int, ramp: int, syntax: Syntax) -> str:
+def _settings(warmup: int, ramp: int, syntax: Syntax, strategy: str) -> str:
     if syntax == "cli":
         return f"--scape.dense_warmup_steps {warmup} --scape.density_ramp_steps {ramp}"
-    return f"ScapeStrategy(dense_warmup_steps={warmup}, density_ramp_steps={ramp})"
+    return f"{strategy}(dense_warmup_steps={warmup}, density_ramp_steps={ramp})"
 
 
-def _misfit(config: ScapeConfig, steps: int, layout: Sequence[Bucket], world_size: int, syntax: Syntax) -> str:
+def _misfit(
+    config: ScapeConfig, steps: int, layout: Sequence[Bucket], world_size: int, syntax: Syntax, strategy: str
+) -> str:
     """What is wrong with ``config``'s schedule for a run of ``steps`` (empty: nothing), and a schedule that fits."""
     sent, ddp = run_bytes(layout, config, world_size, steps)
     if not ddp:
@@ -147,7 +155,7 @@ def _misfit(config: ScapeConfig, steps: int, layout: Sequence[Bucket], world_siz
         f"density_ramp_steps={config.density_ramp_steps} it {where}sends {sent / ddp:.0%} of DDP's bytes "
         f"({sent / 1e6:,.1f} MB against {ddp / 1e6:,.1f} MB per rank; the first {config.dense_steps} steps dense). "
         f"A schedule scaled to the run (a 3% warm-up, a 40% ramp) sends {fitted / ddp:.0%}: "
-        f"{_settings(warmup, ramp, syntax)}. Its loss may differ: docs/lightning.md says what was measured."
+        f"{_settings(warmup, ramp, syntax, strategy)}. Its loss may differ: docs/lightning.md says what was measured."
     )
 
 
