@@ -18,7 +18,6 @@ from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.types import _PATH, Optimizable, _Stateful
-from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
@@ -173,32 +172,9 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
             return super().optimizer_step(optimizer, **kwargs)
 
     @override
-    def clip_gradients_norm(
-        self,
-        module: Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        """Clip the synchronised gradient to global L2 norm ``max_norm`` (over all shards) in the coming step.
-
-        Returns:
-            The global norm before clipping.
-        """
-        shard_group, shard_size = self.device_mesh["shard"].get_group(), self.grid.shard_size
-        return self._clip_norm(
-            optimizer,
-            max_norm,
-            norm_type,
-            error_if_nonfinite,
-            lambda opt, max_norm: fsdp.request_global_clip(opt, max_norm, shard_group, shard_size),
-        )
-
-    @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        """Clamp every synchronised gradient value to ``[-clip_val, clip_val]`` in the coming step."""
-        self._scape_optimizer_of(optimizer).request_clip(clip_value=float(clip_val))
+    def _request_global_clip(self, opt: ScapeOptimizer, max_norm: float) -> float:
+        shard_group = self.device_mesh["shard"].get_group()  # the norm sums over this group's shards
+        return fsdp.request_global_clip(opt, max_norm, shard_group, self.grid.shard_size)
 
     # ------------------------------------------------------------------------------------- checkpoints
 

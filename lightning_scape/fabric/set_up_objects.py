@@ -4,7 +4,7 @@ clipping by the global norm."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -64,16 +64,19 @@ class SetUpObjects(RunNotices):
             self._failed = True
             raise
 
-    def _clip_norm(
+    def clip_gradients_norm(
         self,
+        module: Module,
         optimizer: Optimizer,
-        max_norm: float,
-        norm_type: float,
-        error_if_nonfinite: bool,
-        request: Callable[[ScapeOptimizer, float], float],
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
     ) -> Tensor:
-        """``fabric.clip_gradients(..., max_norm=...)``: ``request`` a clip of the coming step's synchronised gradient
-        to global L2 norm ``max_norm``; it returns the norm before clipping, which this returns as a tensor.
+        """Clip the synchronised gradient to global L2 norm ``max_norm`` (over every rank's part) in the coming step.
+
+        Returns:
+            The global norm before clipping. Computing it finishes the step's synchronisation early, which costs
+            nothing when ``optimizer.step()`` follows.
 
         Raises:
             ValueError: ``norm_type`` is not 2.
@@ -87,13 +90,21 @@ class SetUpObjects(RunNotices):
                 f"{name} clips by the global L2 norm of the synchronised gradient; norm_type={norm_type} is not "
                 "supported. Use norm_type=2."
             )
-        norm = request(opt, float(max_norm))
+        norm = self._request_global_clip(opt, float(max_norm))
         if error_if_nonfinite and not math.isfinite(norm) and opt.engine.loss_scale is None:
             raise RuntimeError(
                 f"The global norm of the synchronised gradient is {norm}. Pass error_if_nonfinite=False to skip "
                 "this check, or find the source of the inf/nan (learning rate too high?)."
             )
         return torch.tensor(norm, device=self.root_device)
+
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        """Clamp every synchronised gradient value to ``[-clip_val, clip_val]`` in the coming step."""
+        self._scape_optimizer_of(optimizer).request_clip(clip_value=float(clip_val))
+
+    def _request_global_clip(self, opt: ScapeOptimizer, max_norm: float) -> float:
+        """Clip ``opt``'s coming step to global norm ``max_norm``; the norm before clipping (the form's own sum)."""
+        raise NotImplementedError
 
     def _module_of(self, optimizer: Optimizer) -> Module | None:
         """The most recently set-up module holding any of ``optimizer``'s parameters (None: no such module)."""

@@ -156,26 +156,10 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
         return out
 
     @override
-    def clip_gradients_norm(
-        self,
-        module: Module,
-        optimizer: Optimizer,
-        max_norm: float | int,
-        norm_type: float | int = 2.0,
-        error_if_nonfinite: bool = True,
-    ) -> Tensor:
-        """Clip the synchronised gradient to global L2 norm ``max_norm`` in the coming step.
-
-        Returns:
-            The global norm before clipping. Computing it finishes the step's synchronisation early, which
-            costs nothing when ``optimizer.step()`` follows.
-        """
-        return self._clip_norm(optimizer, max_norm, norm_type, error_if_nonfinite, _request_norm)
-
-    @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        """Clamp every synchronised gradient value to ``[-clip_val, clip_val]`` in the coming step."""
-        self._scape_optimizer_of(optimizer).request_clip(clip_value=float(clip_val))
+    def _request_global_clip(self, opt: ScapeOptimizer, max_norm: float) -> float:
+        norm = opt.engine.global_grad_norm()  # this rank's engine holds the whole gradient
+        opt.request_clip(max_norm=max_norm)
+        return norm
 
     def global_grad_norm(self) -> Tensor:
         """The global L2 norm of this step's synchronised gradient; call it after backward, before the step.
@@ -280,13 +264,6 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
         registry.register_strategies(cls, strategy_registry)
-
-
-def _request_norm(opt: ScapeOptimizer, max_norm: float) -> float:
-    """Clip the coming step to global norm ``max_norm``; the norm before clipping (this rank's engine holds it all)."""
-    norm = opt.engine.global_grad_norm()
-    opt.request_clip(max_norm=max_norm)
-    return norm
 
 
 class _ScapeBackwardSyncControl(_BackwardSyncControl):

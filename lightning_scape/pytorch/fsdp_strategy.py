@@ -28,15 +28,13 @@ from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.engine import fsdp_binding
 from lightning_scape.pytorch import clipping
-from lightning_scape.pytorch.fit_objects import FitObjects
-from lightning_scape.pytorch.strategy import planned_steps, state_key
+from lightning_scape.pytorch.fit_objects import FitObjects, state_key
 from lightning_scape.runtime import fsdp, fsdp_checkpoint, registry, setup_checks
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
-from lightning_scape.runtime.run_notices import RunNotices
 
 
-class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
+class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Trainer(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     Also ``Trainer(strategy="scape_fsdp")``; ``configure_model`` may build the model but must not shard it. The
@@ -213,21 +211,8 @@ class ScapeFSDPStrategy(FitObjects, RunNotices, ModelParallelStrategy):
     # -------------------------------------------------------------------------------------- lifecycle
 
     @override
-    def on_train_start(self) -> None:
-        """Warn (:meth:`warn_if_all_dense`) before the first training batch, as ``ScapeStrategy`` does."""
-        super().on_train_start()
-        assert self.lightning_module is not None
-        self.warn_if_all_dense(planned_steps(self.lightning_module.trainer))
-
-    @override
     def _scape_ranks(self) -> int | None:
         return self._grid.replicas if self._grid is not None else None  # SCAPE runs across the groups
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        """Remember a failure: teardown then waits on no collective, and a failed fit is not summed up."""
-        self._failed = True
-        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

@@ -30,7 +30,7 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.pytorch import clipping
-from lightning_scape.pytorch.fit_objects import FitObjects
+from lightning_scape.pytorch.fit_objects import FitObjects, state_key
 from lightning_scape.runtime import (
     checkpoint_protocol,
     engine_setup,
@@ -41,10 +41,9 @@ from lightning_scape.runtime import (
 )
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
-from lightning_scape.runtime.run_notices import RunNotices
 
 
-class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
+class ScapeStrategy(FitObjects, DDPStrategy):
     """SCAPE sparse data parallelism for the Trainer: ``Trainer(strategy=ScapeStrategy(density=0.01))`` or ``"scape"``.
 
     Processes and clusters as in Lightning's ``DDPStrategy``; gradients travel through the SCAPE engine, and
@@ -144,17 +143,6 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
         self.optimizers = [scape]
         if not self.lr_scheduler_configs:  # a constant rate, known before the first step
             scape.tell_no_lr_scheduler()
-
-    @override
-    def on_train_start(self) -> None:
-        """Warn (:meth:`warn_if_all_dense`) before the first training batch, once the train dataloader exists.
-
-        Not at set-up: ``trainer.estimated_stepping_batches`` would build the train dataloader before
-        ``on_fit_start``, out of Lightning's hook order.
-        """
-        super().on_train_start()
-        assert self.lightning_module is not None
-        self.warn_if_all_dense(planned_steps(self.lightning_module.trainer))
 
     @override
     def _scape_ranks(self) -> int | None:
@@ -322,12 +310,6 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
     # -------------------------------------------------------------------------------------- lifecycle
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        """Remember a failure, so that teardown does not wait on collectives that will never finish."""
-        self._failed = True
-        super().on_exception(exception)
-
-    @override
     def teardown(self) -> None:
         """Sum the fit up (rank 0); remove the engine's hooks and the clipping redirect; stop the heartbeat."""
         self._pending_states = None
@@ -340,19 +322,6 @@ class ScapeStrategy(FitObjects, RunNotices, DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
         registry.register_strategies(cls, strategy_registry)
-
-
-def state_key(index: int) -> str:
-    """The key of a checkpoint's ``optimizer_states[index]`` in the SCAPE checkpoint files (both Trainer forms)."""
-    return f"optimizer_states.{index}"
-
-
-def planned_steps(trainer: pl.Trainer) -> float | None:
-    """The optimizer steps the fit will take (``trainer.estimated_stepping_batches``), None if not known."""
-    try:
-        return float(trainer.estimated_stepping_batches)
-    except Exception:  # no train dataloader yet, an unsized one, ...: the notice then comes at the end
-        return None
 
 
 ScapeStrategy.register_strategies(StrategyRegistry)
