@@ -197,6 +197,7 @@ def launch_workers(
                 "GROUP_RANK": str(h.node),
                 "LOCAL_RANK": str(h.local_rank),
                 "LOCAL_WORLD_SIZE": str(world_size // len({x.node for x in net.hosts})),
+                "PYTHONFAULTHANDLER": "1",  # a worker that aborts leaves every thread's stack in its log
                 # gloo must use the host's own interface (in a namespace the hostname resolves to nothing).
                 "GLOO_SOCKET_IFNAME": h.ifname,
                 "OMP_NUM_THREADS": "1",
