@@ -82,6 +82,7 @@ INT8_GROUP = INT8_DENSE_GROUP  # a dense step's coordinates per scale in the int
 SELECT_ENV = "LIGHTNING_SCAPE_SELECT_KERNEL"
 CURRENT, ALTERNATIVES = "walk", ("prefilter", "split")
 SELECT_OPS = ("select_mask", "chunk_topk")
+CPU_SMOKE_NUMEL = 1 << 14  # values per op in the CPU smoke run (no GPU)
 
 
 @dataclass
@@ -299,7 +300,9 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
     results: dict[str, object] = {"device": name, "peak_gbps": peak, "args": vars(args)}
 
     # Per-kernel bandwidth on one problem (the selection ops on the kernel --select names; all: the default).
-    kernel_numel = int(args.kernel_numel) if cuda else 1 << 16
+    # Without a GPU, a smoke run of the code path: four chunks of C = 4096 (Triton's interpreter runs the
+    # selection's threshold walk about 10x slower than a bisection: seconds a launch at sixteen).
+    kernel_numel = int(args.kernel_numel) if cuda else CPU_SMOKE_NUMEL
     prob = Problem(kernel_numel, args.chunk_size, args.density, args.exploration, dtype, device)
     with select_kernel(CURRENT if args.select == "all" else args.select):
         rows = [Row(op, prob.N, prob.path(), timer(getattr(prob, op), iters, warmup), prob.bytes(op)) for op in OPS]
@@ -314,7 +317,7 @@ def run(args: argparse.Namespace, device: str) -> dict[str, object]:
 
     # The whole sparse step against fused AdamW (and the dense AdamS kernel of the warm-up steps).
     all_steps: list[Row] = []
-    for size in args.sizes if cuda else [1 << 16]:
+    for size in args.sizes if cuda else [CPU_SMOKE_NUMEL]:
         rows = step_rows(int(size), args, device)
         all_steps += rows
         for scape in rows if cuda else []:
