@@ -35,6 +35,7 @@ from helpers import (
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from tiny_gpt import GPT_CONFIG, LR, LitGPT, RankBatches, full_params, lm_loss, reference_adams, tiny_gpt, tokens
 from torch import Tensor, nn
 
 from lightning_scape import (
@@ -58,20 +59,6 @@ pytestmark = pytest.mark.dist
 
 W, S = 4, 2  # four processes, shard_size 2: R = 2 groups
 R = W // S
-LR = 1e-2
-# A vocabulary of 65 rows does not divide by 2: lm_head and wte are padded by one row on the second shard.
-GPT_CONFIG = {
-    "n_layer": 2,
-    "n_embd": 16,
-    "n_head": 2,
-    "vocab_size": 65,
-    "padded_vocab_size": 65,
-    "block_size": 8,
-    "bias": False,
-    "norm_class_name": "RMSNorm",
-    "mlp_class_name": "LLaMAMLP",
-    "intermediate_size": 32,
-}
 SPARSE = {"density": 0.05, "dense_warmup_steps": 0, "chunk_size": 64}
 # The int8 wire across the groups: two dense steps (int8 packets of the shard's gradient and parameter changes),
 # then sparse ones.
@@ -79,36 +66,11 @@ SPARSE_INT8 = {**SPARSE, "wire_format": "int8", "dense_warmup_steps": 2, "densit
 RUNS = {"sparse": SPARSE, "sparse_int8": SPARSE_INT8}
 
 
-def tiny_gpt() -> nn.Module:
-    """The same tiny litgpt GPT (no biases, about 7.3k parameters) on every process."""
-    from litgpt.model import GPT, Config
-
-    torch.manual_seed(0)
-    return GPT(Config(**GPT_CONFIG))
-
-
-def tokens(rank: int, step: int, micro: int = 0) -> Tensor:
-    """Rank-, step- and micro-batch-specific token ids ``(2, 8)``."""
-    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-    return torch.randint(0, GPT_CONFIG["vocab_size"], (2, 8), generator=g)
-
-
-def lm_loss(model: Any, x: Tensor) -> Tensor:
-    """Next-token cross entropy."""
-    logits = model(x)
-    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
-
-
 def launch(strategy: ScapeFSDPStrategy, **kwargs: Any) -> Fabric:
     """A launched four-process CPU Fabric (the torchrun processes)."""
     fabric = Fabric(accelerator="cpu", devices=W, strategy=strategy, **kwargs)
     fabric.launch()
     return fabric
-
-
-def full_params(model: Any) -> Tensor:
-    """The whole model's parameters (all-gathered from the shards) as one fp64 vector."""
-    return torch.cat([p.full_tensor().detach().reshape(-1).double() for p in model.parameters()])
 
 
 def train(
@@ -125,28 +87,6 @@ def train(
         opt.step()
         opt.zero_grad()
         out.append(full_params(model))
-    return out
-
-
-def reference_adams(steps: int, accumulate: int = 1, max_norm: float | None = None) -> list[Tensor]:
-    """Data-parallel AdamS over the four ranks' batches in one process: the parameters after each step."""
-    model = tiny_gpt()
-    opt = AdamS(model.parameters(), lr=LR)
-    out = []
-    for step in range(steps):
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in range(W):
-            for micro in range(accumulate):
-                model.zero_grad()
-                lm_loss(model, tokens(rank, step, micro)).backward()
-                for g, p in zip(grads, model.parameters(), strict=True):
-                    g += p.grad / (W * accumulate)
-        for g, p in zip(grads, model.parameters(), strict=True):
-            p.grad = g
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        out.append(torch.cat([p.detach().reshape(-1).double() for p in model.parameters()]))
     return out
 
 
@@ -168,7 +108,7 @@ def density_one(outdir: str) -> None:
 
 
 def test_density_one_reproduces_data_parallel_adams(fsdp_runs: str) -> None:
-    ref = reference_adams(3)
+    ref = reference_adams(W, 3)
     for r, out in enumerate(load_outputs(fsdp_runs, "density_one", W)):
         assert (out["grid"].replica_index, out["grid"].shard_index) == divmod(r, S)
         for step, got in enumerate(out["params"]):
@@ -197,7 +137,7 @@ def accumulation_and_clipping(outdir: str) -> None:
 
 
 def test_accumulation_sends_nothing_and_clipping_uses_the_global_norm(fsdp_runs: str) -> None:
-    ref = reference_adams(3, accumulate=2, max_norm=0.2)
+    ref = reference_adams(W, 3, accumulate=2, max_norm=0.2)
     model = tiny_gpt()
     for micro in range(2):
         for r in range(W):
@@ -462,7 +402,7 @@ def bf16_mixed(outdir: str) -> None:
 
 
 def test_bf16_mixed_stays_close_to_fp32_data_parallel_adams(fsdp_runs: str) -> None:
-    ref = reference_adams(3)
+    ref = reference_adams(W, 3)
     outs = load_outputs(fsdp_runs, "bf16", W)
     for out in outs:
         assert all(torch.equal(a, b) for a, b in zip(out["params"], outs[0]["params"], strict=True))
@@ -541,34 +481,6 @@ def test_the_docs_fabric_example_runs_says_what_scape_does_and_warns_once(fsdp_r
 # ------------------------------------------------------------------------------------- the Trainer form
 
 
-class LitGPT(L.LightningModule):
-    """The tiny GPT as a LightningModule: the model in a submodule, AdamS from configure_optimizers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = tiny_gpt()
-
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        return lm_loss(self.model, batch[0])
-
-    def configure_optimizers(self) -> Any:
-        return AdamS(self.parameters(), lr=LR)
-
-
-class RankBatches(torch.utils.data.Dataset[Tensor]):
-    """This rank's batches of :func:`reference_adams`, in order: item k is micro-batch ``k % accumulate`` of step
-    ``k // accumulate`` (the Trainer runs with ``use_distributed_sampler=False``)."""
-
-    def __init__(self, steps: int, accumulate: int = 1) -> None:
-        self.steps, self.accumulate = steps, accumulate
-
-    def __len__(self) -> int:
-        return self.steps * self.accumulate
-
-    def __getitem__(self, k: int) -> Tensor:
-        return tokens(rank(), k // self.accumulate, k % self.accumulate)
-
-
 class FullParams(L.Callback):
     """The full parameters at the end of the fit (every rank takes part in the all-gather)."""
 
@@ -604,7 +516,7 @@ def trainer_density_one(outdir: str) -> None:
         warnings.simplefilter("always")  # the children run with PYTHONWARNINGS=ignore
         params = fit(
             strategy,
-            RankBatches(3, accumulate=2),
+            RankBatches(3, rank(), accumulate=2),
             max_steps=3,
             accumulate_grad_batches=2,
             gradient_clip_val=0.2,
@@ -617,7 +529,7 @@ def trainer_density_one(outdir: str) -> None:
 
 
 def test_trainer_accumulation_and_clipping_reproduce_data_parallel_adams(fsdp_trainer_runs: str) -> None:
-    ref = reference_adams(3, accumulate=2, max_norm=0.2)
+    ref = reference_adams(W, 3, accumulate=2, max_norm=0.2)
     outs = load_outputs(fsdp_trainer_runs, "trainer", W)
     for out in outs:
         assert rel_err(out["params"], ref[-1]) < 1e-5, rel_err(out["params"], ref[-1])
@@ -639,7 +551,7 @@ def trainer_checkpoint(outdir: str) -> None:
     monitors = [CommunicationMonitor(log_every_n_steps=1), MaskMonitor(log_every_n_steps=1)]
     whole = fit(
         TrainerFSDPStrategy(shard_size=S, **SPARSE),
-        RankBatches(1),
+        RankBatches(1, rank()),
         max_steps=4,
         callbacks=[save, *monitors],
         enable_checkpointing=True,
@@ -647,7 +559,7 @@ def trainer_checkpoint(outdir: str) -> None:
         log_every_n_steps=1,
     )
     first = os.path.join(folder, "epoch=1-step=2.ckpt")
-    resumed = fit(TrainerFSDPStrategy(shard_size=S, **SPARSE), RankBatches(1), ckpt_path=first, max_steps=4)
+    resumed = fit(TrainerFSDPStrategy(shard_size=S, **SPARSE), RankBatches(1, rank()), ckpt_path=first, max_steps=4)
     files = sorted(os.listdir(first))
     save_output(outdir, "trainer_ckpt", rank(), {"whole": whole, "resumed": resumed, "files": files})
 

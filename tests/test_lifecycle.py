@@ -29,7 +29,8 @@ import torch
 from helpers import PYTHON, child_env, launcher_args, load_outputs, rank_zero_messages, rel_err, save_output, scenario
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import Tensor, nn
+from tiny_gpt import LR, LitGPT, RankBatches, full_params, lm_loss, reference_adams, tiny_gpt, tokens
+from torch import Tensor
 
 import lightning_scape
 from lightning_scape import AdamS, DenseWarmupWarning, ScapeEngine
@@ -39,7 +40,6 @@ from lightning_scape.runtime import run_summary
 pytestmark = pytest.mark.dist
 
 W = 2
-LR = 1e-2
 FORMS = ("fabric", "fabric_fsdp", "trainer", "trainer_fsdp")
 STRATEGIES: dict[str, Callable[..., Any]] = {
     "fabric": lightning_scape.ScapeStrategy,
@@ -53,69 +53,10 @@ DENSE = {"density": 1.0, "dense_warmup_steps": 0}
 SPARSE = {"density": 0.05, "dense_warmup_steps": 1, "density_ramp_steps": 0, "chunk_size": 64}
 DENSE_STEPS, ACCUMULATE, MAX_NORM = 3, 2, 0.2
 SPARSE_STEPS, SAVED_AT = 4, 2
-# A tiny litgpt GPT (about 7.3k parameters); a vocabulary of 65 rows.
-GPT_CONFIG = {
-    "n_layer": 2,
-    "n_embd": 16,
-    "n_head": 2,
-    "vocab_size": 65,
-    "padded_vocab_size": 65,
-    "block_size": 8,
-    "bias": False,
-    "norm_class_name": "RMSNorm",
-    "mlp_class_name": "LLaMAMLP",
-    "intermediate_size": 32,
-}
-
-
-def tiny_gpt() -> nn.Module:
-    """The same tiny GPT on every process and in every run."""
-    from litgpt.model import GPT, Config
-
-    torch.manual_seed(0)
-    return GPT(Config(**GPT_CONFIG))
-
-
-def tokens(rank: int, step: int, micro: int = 0) -> Tensor:
-    """Rank-, step- and micro-batch-specific token ids ``(2, 8)``."""
-    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-    return torch.randint(0, GPT_CONFIG["vocab_size"], (2, 8), generator=g)
-
-
-def lm_loss(model: Any, x: Tensor) -> Tensor:
-    """Next-token cross entropy."""
-    logits = model(x)
-    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
-
-
-def full_params(model: nn.Module) -> Tensor:
-    """The whole model's parameters as one fp64 vector (the FSDP forms' all-gathered from their shards)."""
-    parts = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-    return torch.cat([p.detach().reshape(-1).double() for p in parts])
 
 
 def node_rank() -> int:
     return int(os.environ["NODE_RANK"])
-
-
-def reference_adams() -> Tensor:
-    """Data-parallel AdamS over both ranks' micro-batches, the gradient clipped to ``MAX_NORM``: the parameters
-    after ``DENSE_STEPS`` steps."""
-    model = tiny_gpt()
-    opt = AdamS(model.parameters(), lr=LR)
-    for step in range(DENSE_STEPS):
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rank in range(W):
-            for micro in range(ACCUMULATE):
-                model.zero_grad()
-                lm_loss(model, tokens(rank, step, micro)).backward()
-                for g, p in zip(grads, model.parameters(), strict=True):
-                    g += p.grad / (W * ACCUMULATE)
-        for g, p in zip(grads, model.parameters(), strict=True):
-            p.grad = g
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        opt.step()
-    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
 
 
 class Told:
@@ -200,34 +141,6 @@ def fabric_sparse(form: str, outdir: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- the Trainer
 
 
-class LitGPT(L.LightningModule):
-    """The tiny GPT: the model in a submodule, AdamS from ``configure_optimizers``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = tiny_gpt()
-
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        return lm_loss(self.model, batch[0])
-
-    def configure_optimizers(self) -> Any:
-        return AdamS(self.parameters(), lr=LR)
-
-
-class RankBatches(torch.utils.data.Dataset[Tensor]):
-    """This rank's batches in the Fabric runs' order: item k is micro-batch ``k % accumulate`` of step
-    ``k // accumulate`` (the Trainer runs with ``use_distributed_sampler=False``)."""
-
-    def __init__(self, steps: int, accumulate: int = 1) -> None:
-        self.steps, self.accumulate = steps, accumulate
-
-    def __len__(self) -> int:
-        return self.steps * self.accumulate
-
-    def __getitem__(self, k: int) -> Tensor:
-        return tokens(node_rank(), k // self.accumulate, k % self.accumulate)
-
-
 class EpochBatch(torch.utils.data.Dataset[Tensor], L.Callback):
     """One batch an epoch, the Fabric runs' batch of the step it is fetched for: an epoch is one step (Lightning
     may not resume the data order of an epoch it saved at its end; one batch an epoch leaves it nothing to get
@@ -290,7 +203,7 @@ def trainer_dense(form: str, told: Told) -> dict[str, Any]:
         lambda: fit(
             form,
             DENSE,
-            RankBatches(DENSE_STEPS, ACCUMULATE),
+            RankBatches(DENSE_STEPS, node_rank(), ACCUMULATE),
             max_steps=DENSE_STEPS,
             accumulate_grad_batches=ACCUMULATE,
             gradient_clip_val=MAX_NORM,
@@ -359,7 +272,7 @@ def a_rank_dies(outdir: str, form: str) -> None:
             told(fabric.strategy.teardown)  # as a script's `finally` would: nothing to wait on, nothing to sum up
     else:
         config = {**SPARSE, "timeout": timeout}
-        told(lambda: fit(form, config, RankBatches(6), max_steps=6, callbacks=[DieAfter(SAVED_AT)]))
+        told(lambda: fit(form, config, RankBatches(6, node_rank()), max_steps=6, callbacks=[DieAfter(SAVED_AT)]))
 
 
 # ------------------------------------------------------------------------------------------- the launches
@@ -421,7 +334,7 @@ def failure_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
 
 @pytest.mark.parametrize("form", FORMS)
 def test_accumulation_and_clipping_reproduce_data_parallel_adams(lifecycle_runs: str, form: str) -> None:
-    ref = reference_adams()
+    ref = reference_adams(W, DENSE_STEPS, ACCUMULATE, MAX_NORM)[-1]
     for out in load_outputs(lifecycle_runs, form, W):
         assert rel_err(out["dense"]["params"], ref) < 1e-5, rel_err(out["dense"]["params"], ref)
 
