@@ -137,10 +137,15 @@ atexit.register(  # registered first, so it runs last
     lambda: print(f"held at exit: {out.view(2, -1)[:, 0].tolist()}, groups left: {dist.is_initialized()}", flush=True)
 )
 if rank == 1:
-    if mode != "ok":
-        time.sleep(24 * 3600)  # "fail", "abandon": rank 1 never launches the all-gather (the test kills it)
-    store.wait(["rank 0 is exiting"])
+    if mode in ("fail", "abandon"):
+        time.sleep(24 * 3600)  # rank 1 never launches the all-gather (the test kills it)
+    if mode == "ok":
+        store.wait(["rank 0 is exiting"])
 pending = ProcessGroupCommunicator(timeout_s=24 * 3600).all_gather(out, torch.full((1000,), rank + 0.5))
+if mode == "waited_then_abandoned":  # a failure after the last collective: a refused checkpoint, say
+    pending.wait()
+    if rank == 0:
+        abandon_in_flight()
 if rank == 0:
     atexit.register(lambda: store.set("rank 0 is exiting", "1"))  # registered last, so it runs first
 if mode == "fail":
@@ -172,6 +177,15 @@ def test_a_process_waits_at_exit_for_its_collectives_in_flight() -> None:
     for p, (stdout, stderr) in zip(procs, outs, strict=True):
         assert p.returncode == 0, stderr[-3000:]
         # Waited on, and the process group destroyed (gloo's threads joined) before the interpreter finalizes.
+        assert "held at exit: [0.5, 1.5], groups left: False" in stdout, (stdout, stderr[-3000:])
+
+
+def test_a_failed_process_with_nothing_in_flight_destroys_its_groups_at_exit() -> None:
+    """Nothing to wait for: the process groups go before the interpreter finalizes, gloo's threads with them."""
+    procs = _launch_pair("waited_then_abandoned")
+    outs = [p.communicate(timeout=HANG_S) for p in procs]
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, stderr[-3000:]
         assert "held at exit: [0.5, 1.5], groups left: False" in stdout, (stdout, stderr[-3000:])
 
 

@@ -393,8 +393,9 @@ def test_a_dead_rank_is_named_once_and_the_survivor_stops_without_a_summary(
 ) -> None:
     result = failure_runs[form]
     out = result["output"]
-    # It stopped by itself with an error, after the good steps (not killed by the fixture).
-    assert result["returncode"] is not None and result["returncode"] > 0, out[-4000:]
+    # It stopped by itself with an error, after the good steps (not killed by the fixture). A failed process
+    # destroys nothing at exit (a peer is gone): gloo may then abort it as the interpreter finalizes (-6).
+    assert result["returncode"] not in (None, 0, -signal.SIGKILL), out[-4000:]
     assert "READY" in out and "rank 1 stopped answering" in out, out[-4000:]
     assert out.count("Traceback (most recent call last)") <= 1, out[-8000:]
     assert not re.search(r"Operation timed out|Timed out waiting", out), out[-4000:]

@@ -45,7 +45,7 @@ class _TorchWork:
                 if work is not None:
                     work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as exc:
-            IN_FLIGHT.failed = True
+            IN_FLIGHT.failed = IN_FLIGHT.collective_failed = True
             ended = _how_it_ended(time.monotonic() - start, self._timeout_s)
             error = RuntimeError(
                 f"SCAPE collective {self._name} on {self._group_desc} {ended}: another rank probably died or "
@@ -76,13 +76,14 @@ class _InFlight:
     of run to wait at), and even for one waited on just before (the worker thread lets go of it after the wait
     returns). So at exit, while the interpreter is whole, the process waits for its collectives in launch order
     and destroys its process groups, which joins gloo's worker threads. A failing process (an uncaught exception,
-    one of these collectives failed, or :func:`abandon_in_flight` was called) does neither: its peers may never
-    answer.
+    one of these collectives failed, or :func:`abandon_in_flight` was called) waits for nothing, since its peers may
+    never answer; it destroys its process groups only where none of its collectives is in flight or failed.
     """
 
     def __init__(self) -> None:
         self.works: dict[int, _TorchWork] = {}  # in launch order
-        self.failed = False
+        self.failed = False  # the run failed (abandon_in_flight, or a collective failed)
+        self.collective_failed = False  # one of these collectives failed: a peer may be gone
         self._at_exit_registered = False
 
     def add(self, work: _TorchWork) -> None:
@@ -95,9 +96,16 @@ class _InFlight:
         self.works.pop(id(work), None)
 
     def finish_at_exit(self) -> None:
-        """Wait for every collective still in flight, in launch order, then destroy the process groups."""
+        """Wait for every collective still in flight, in launch order, then destroy the process groups. After a
+        failure, destroy them only where nothing is in flight and no collective failed: there is nothing to
+        wait for, and gloo's threads are joined before the interpreter finalizes (a refused checkpoint, a
+        failing training step)."""
+        if not dist.is_initialized():
+            return
         exiting_on_error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-        if self.failed or exiting_on_error or not dist.is_initialized():
+        if self.failed or exiting_on_error:
+            if not self.works and not self.collective_failed:
+                dist.destroy_process_group()
             return
         for work in list(self.works.values()):
             try:
