@@ -259,7 +259,6 @@ def die_or_go_on() -> None:
 def a_rank_dies(outdir: str, form: str) -> None:
     """Two sparse steps, then rank 1 dies; rank 0 tries four more (collective timeout 20 s: the survivor sees the
     closed connection at once, and the heartbeat's diagnosis waits a tenth of it)."""
-    told = Told()
     timeout = timedelta(seconds=20)
     if form.startswith("fabric"):
         fabric = fabric_for(form, SPARSE, timeout=timeout)
@@ -267,12 +266,12 @@ def a_rank_dies(outdir: str, form: str) -> None:
         fabric_steps(fabric, model, opt, range(SAVED_AT), [], dense=False)
         die_or_go_on()
         try:
-            told(lambda: fabric_steps(fabric, model, opt, range(SAVED_AT, 6), [], dense=False))
+            fabric_steps(fabric, model, opt, range(SAVED_AT, 6), [], dense=False)
         finally:
-            told(fabric.strategy.teardown)  # as a script's `finally` would: nothing to wait on, nothing to sum up
+            fabric.strategy.teardown()  # as a script's `finally` would: nothing to wait on, nothing to sum up
     else:
         config = {**SPARSE, "timeout": timeout}
-        told(lambda: fit(form, config, RankBatches(6, node_rank()), max_steps=6, callbacks=[DieAfter(SAVED_AT)]))
+        fit(form, config, RankBatches(6, node_rank()), max_steps=6, callbacks=[DieAfter(SAVED_AT)])
 
 
 # ------------------------------------------------------------------------------------------- the launches
