@@ -50,6 +50,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
 from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig
+from lightning_scape.engine import feedback
 from lightning_scape.examples.workloads import free_port
 from lightning_scape.pytorch import ScapeStrategy
 from lightning_scape.runtime import run_summary
@@ -118,8 +119,8 @@ class Recorder(pl.Callback):
             "skipped": engine.last_step_skipped,
             "step_count": engine.step_count,
             "masks": None if engine.last_used_masks is None else [m.clone() for m in engine.last_used_masks],
-            "residual_norm": engine.residual_norm(),
-            "oldest": engine.oldest_unsent_age(),
+            "residual_norm": feedback.residual_norm(engine.buckets),
+            "oldest": feedback.oldest_unsent_age(engine.buckets, engine.step_count, engine.in_warmup),
             "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
         }
         if self.snapshots:

@@ -112,3 +112,9 @@ class Wire:
             self.failed = True
             raise
         self.counters.add_wait(time.perf_counter() - t0)
+
+    def wait_in_order(self, pendings: list[Pending | None]) -> None:
+        """:meth:`wait` for each launched collective in list order (None: nothing was launched there)."""
+        for pending in pendings:
+            if pending is not None:
+                self.wait(pending)

@@ -246,6 +246,14 @@ class BucketState:
 
 
 def zero_grads(buckets: list[BucketState]) -> None:
-    """Zero every bucket's gradient buffer: one multi-tensor fill (a few launches on CUDA), not a launch per bucket."""
+    """Zero every bucket's gradient buffer: one multi-tensor fill (a few launches on CUDA), not a launch per bucket.
+
+    A parameter whose ``.grad`` a user set to None or replaced gets its view into the buffer back.
+    """
     if buckets:
         torch._foreach_zero_([bs.grads for bs in buckets])
+    for bs in buckets:
+        for place in bs.layout.places:
+            p = place.param
+            if p.grad is None or p.grad.data_ptr() != bs.grads[place.offset :].data_ptr():
+                p.grad = bs.grads[place.offset : place.offset + place.numel].view_as(p)

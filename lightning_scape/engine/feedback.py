@@ -46,3 +46,16 @@ def commit(bucket: BucketState, mask: Tensor) -> None:
     kernels.ef_compact(bucket.residual, bucket.grads, mask, bucket.layout.chunk_size, scratch)
     if bucket.int8_wire:  # the int8 launch left its rounding error in ``values``
         keep_rounding_error(bucket, mask)
+
+
+def residual_norm(buckets: list[BucketState]) -> float:
+    """L2 norm of this rank's error-feedback residual over ``buckets``."""
+    return float(torch.stack([bs.residual.float().norm() for bs in buckets] or [torch.zeros(())]).norm())
+
+
+def oldest_unsent_age(buckets: list[BucketState], step_count: int, in_warmup: bool) -> int:
+    """Steps since the least recently sent coordinate of this rank's region was last sent (0 in the dense warm-up,
+    whose steps send every coordinate)."""
+    if in_warmup:
+        return 0
+    return max((int(step_count - bs.last_sent.min().item()) for bs in buckets), default=0)

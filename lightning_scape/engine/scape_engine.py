@@ -44,30 +44,24 @@ __all__ = ["BucketState", "ScapeEngine"]
 class ScapeEngine:
     """SCAPE for the trainable parameters of one optimizer on one data-parallel group.
 
-    On construction every trainable parameter becomes a view into its bucket's flat buffer (its storage moves:
-    build the engine after moving the model to its device and before ``torch.compile``), and its ``.grad`` a view
-    into the bucket's gradient buffer; frozen parameters join when unfrozen (:meth:`add_trainable_params`), tied
-    ones count once. ``param.grad`` keeps this rank's gradient (the synchronised one stays inside:
-    :meth:`global_grad_norm`); backward passes before a step add up as under DDP, each sending.
+    Every trainable parameter becomes a view into its bucket's flat buffer (build the engine after moving the model
+    to its device, before ``torch.compile``), its ``.grad`` a view into the gradient buffer, holding this rank's
+    gradient; frozen parameters join when unfrozen (:meth:`add_trainable_params`), tied ones count once. Backward
+    passes before a step add up, as under DDP.
 
     Args:
-        optimizer: An :class:`~lightning_scape.AdamS` (or any optimizer whose param groups carry
-            ``lr``, ``betas``, ``eps``, ``weight_decay`` and optionally ``bias_correction``). Its param
-            groups stay the source of the hyperparameters, so LR schedulers keep working; its own
-            ``step`` must not be called.
+        optimizer: An :class:`~lightning_scape.AdamS` (or param groups with ``lr``, ``betas``, ``eps``,
+            ``weight_decay``); its param groups stay the source of the hyperparameters, so LR schedulers work.
+            Its own ``step`` must not be called.
         config: The SCAPE configuration.
         communicator: The group's collectives; default: world size 1.
         param_order: The model's parameters in registration order, to predict when gradients arrive.
-        sync_params: Give every rank rank 0's parameters at construction (one all-reduce of the flat
-            buffers, counted as ``setup`` traffic), as DDP's constructor does, so replicas that were
-            initialised differently cannot diverge silently. Pass False only when the caller has already
-            synchronised the model (the Lightning strategies broadcast parameters and buffers at set-up).
-        loss_scale: For fp16 loss scaling: returns the scale that the coming gradients carry (a
-            ``GradScaler``'s ``get_scale``), read once per step; the engine divides it out before the
-            gradients touch the residual. None: the gradients are unscaled.
-        skip_nonfinite: Skip, on every rank, a step in which any rank saw an inf/nan gradient, leaving
-            momentum, residual and parameters untouched (what fp16 loss scaling needs; it costs one scalar
-            all-reduce per step). :attr:`last_step_skipped` tells the ``GradScaler``.
+        sync_params: Give every rank rank 0's parameters at construction, as DDP does (one all-reduce, counted as
+            ``setup`` traffic). Pass False only when the model is already synchronised (the strategies broadcast it).
+        loss_scale: fp16: the scale the coming gradients carry (a ``GradScaler``'s ``get_scale``), divided out
+            before the gradients touch the residual. None: the gradients are unscaled.
+        skip_nonfinite: Skip, on every rank, a step in which any rank saw an inf/nan gradient (what fp16 loss
+            scaling needs; one scalar all-reduce per step). :attr:`last_step_skipped` tells the ``GradScaler``.
         form_pilot: Chooses the form when ``config`` leaves it to SCAPE (``ScapeConfig.chooses_form``); default:
             the package's :class:`~lightning_scape.planning.pilot.FormPilot`. Ignored for a fixed form.
         resume_with_new_config: Let a load take a state saved with other settings but the same layout, carried into
@@ -94,10 +88,8 @@ class ScapeEngine:
         self.config = cfg = self.requested_config.start_form()
         self.pilot = (form_pilot or form_switch.default_pilot()) if self.requested_config.chooses_form else None
         self.comm: Communicator = communicator or SoloCommunicator()
-        self.rank = self.comm.rank
-        self.world_size = self.comm.world_size
-        self.loss_scale = loss_scale
-        self.skip_nonfinite = skip_nonfinite
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.loss_scale, self.skip_nonfinite = loss_scale, skip_nonfinite
         _check_inputs(optimizer)
         self.param_order = param_order
         self.buckets: list[BucketState] = []  # none while every parameter is frozen (add_trainable_params)
@@ -114,7 +106,9 @@ class ScapeEngine:
         if sync_params:
             joining.sync_from_rank0(self, self.buckets)
         # The param groups are read when a mask is built: a scheduler or BaseFinetuning may have replaced them.
-        self.masks = MaskSchedule(self.buckets, cfg, self.wire, lambda bs: self._group_of(bs)["betas"][0])
+        self.masks = MaskSchedule(
+            self.buckets, cfg, self.wire, lambda bs: optimizer.param_groups[bs.layout.group_index]["betas"][0]
+        )
         self.step_count = 0
         # Per param group, the largest learning rate seen: catch_up_cap counts steps at it.
         self.peak_lr = [0.0] * len(optimizer.param_groups)
@@ -160,11 +154,6 @@ class ScapeEngine:
     def zero_grad(self) -> None:
         """Zero the gradient buffers (the parameters' ``.grad`` stay views into them)."""
         zero_grads(self.buckets)
-        for bs in self.buckets:
-            for place in bs.layout.places:
-                p = place.param
-                if p.grad is None or p.grad.data_ptr() != bs.grads[place.offset :].data_ptr():
-                    p.grad = bs.grads[place.offset : place.offset + place.numel].view_as(p)
 
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = None, clip_value: float | None = None) -> None:
@@ -208,9 +197,7 @@ class ScapeEngine:
         for bs, g in zip(self.buckets, synced, strict=True):
             gathers.append(update.dense_update(bs, g, update.for_bucket(hypers, bs), self.wire))
         # 5. Wait for the gathers in order.
-        for pending in gathers:
-            if pending is not None:
-                self.wire.wait(pending)
+        self.wire.wait_in_order(gathers)
         # 6. After the last dense step: the first masks; in the pilot's fp32 dense form, the next steps are DDP's.
         self._close_step(step, applied=True)
         if step.step == self.config.dense_steps:
@@ -250,25 +237,18 @@ class ScapeEngine:
 
     @torch.no_grad()
     def global_grad_norm(self) -> float:
-        """Global L2 norm of this step's synchronised gradient, before clipping (call after backward).
-
-        DDP users read it from ``param.grad`` (here this rank's own gradient). Finishes the step's synchronisation
-        early (:meth:`step` then does not wait again); sharded, at the cost of norm clipping's scalar all-reduce.
-        """
+        """Global L2 norm of this step's synchronised gradient, before clipping (call after backward; ``param.grad``
+        holds this rank's own). Finishes the step's synchronisation early; sharded, one scalar all-reduce."""
         if not self.buckets:
             return 0.0
         step = self._open_step()
         step.launch_in_order(all_buckets=True)
-        norm = step.squared_norm().sqrt()
-        self.last_grad_norm = float(norm.item())
+        self.last_grad_norm = float(step.squared_norm().sqrt().item())
         return self.last_grad_norm
 
     def close(self, wait: bool = True) -> None:
-        """Remove the gradient hooks and wait for collectives still in flight.
-
-        Args:
-            wait: False after a failure: drop what is in flight (as after a failed collective of the engine's).
-        """
+        """Remove the gradient hooks and wait for collectives still in flight (``wait=False`` after a failure: drop
+        them, as after a failed collective of the engine's)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -287,23 +267,9 @@ class ScapeEngine:
         """Per bucket, the most recently built mask (waits for its all-gather)."""
         return self.masks.newest_masks()
 
-    def oldest_unsent_age(self) -> int:
-        """Steps since the least recently sent coordinate of this rank's region was last sent."""
-        if self.in_warmup:
-            return 0
-        return max((int(self.step_count - bs.last_sent.min().item()) for bs in self.buckets), default=0)
-
-    def residual_norm(self) -> float:
-        """L2 norm of this rank's error-feedback residual."""
-        return float(torch.stack([bs.residual.float().norm() for bs in self.buckets] or [torch.zeros(())]).norm())
-
     def add_trainable_params(self) -> int:
-        """Lay out trainable parameters that the engine does not hold yet (unfrozen, or in a param group added to
-        the optimizer; :mod:`~lightning_scape.engine.joining`). Call it between steps, on every rank.
-
-        Returns:
-            The number of parameters that joined (0: none).
-        """
+        """Lay out trainable parameters the engine does not hold yet (unfrozen, or in a param group added to the
+        optimizer; :mod:`~lightning_scape.engine.joining`), between steps on every rank; returns how many joined."""
         return joining.join_trainable_params(self)
 
     def state_dict(self) -> dict[str, Any]:
@@ -320,16 +286,8 @@ class ScapeEngine:
         state.load_engine_state(self, saved)
 
     def reshard_state_dicts(self, saved: Iterable[Any]) -> dict[str, Any]:
-        """This rank's state from every rank's :meth:`state_dict` of a run on another world size.
-
-        Args:
-            saved: The saved ranks' states in rank order; an iterator is consumed one state at a time, so they
-                can be read from their files lazily (see :class:`~lightning_scape.engine.state.StateResharder`).
-
-        Returns:
-            The state to pass to :meth:`load_state_dict`, which also rebuilds the masks (every rank must load at
-            the same point).
-        """
+        """This rank's state, for :meth:`load_state_dict` (every rank loads it at the same point), from every rank's
+        :meth:`state_dict` of a run on another world size, in rank order (an iterator is read one state at a time)."""
         return state.reshard_engine_state(self, saved)
 
     def grad_ready(self, param: Tensor) -> None:
@@ -337,9 +295,6 @@ class ScapeEngine:
         self._on_grad_ready(param)
 
     # ------------------------------------------------------------------ the step in flight
-
-    def _group_of(self, bs: BucketState) -> dict[str, Any]:
-        return self.optimizer.param_groups[bs.layout.group_index]
 
     def _on_grad_arriving(self, i: int, grad: Tensor) -> None:
         # Before a gradient accumulates into bucket i (also under no_sync, or it would miss this step's launches).
@@ -355,15 +310,10 @@ class ScapeEngine:
 
     def _open_step(self) -> StepInFlight:
         if self._step is None:
+            scale = None if self.loss_scale is None else float(self.loss_scale())
+            t, dense = self.step_count + 1, self.in_warmup
             self._step = StepInFlight(
-                self.buckets,
-                self.config,
-                self.wire,
-                self.masks,
-                step=self.step_count + 1,
-                dense=self.in_warmup,
-                loss_scale=None if self.loss_scale is None else float(self.loss_scale()),
-                skip_nonfinite=self.skip_nonfinite,
+                self.buckets, self.config, self.wire, self.masks, t, dense, scale, self.skip_nonfinite
             )
         return self._step
 
@@ -385,12 +335,8 @@ class ScapeEngine:
 
     def _hypers(self, t: int, sparse: bool) -> list[AdamSHyper]:
         """Per param group, step ``t``'s AdamS hyperparameters (sparse steps: the interval update's)."""
-        groups = self.optimizer.param_groups
-        self.peak_lr = [max(peak, g["lr"]) for peak, g in zip(self.peak_lr, groups, strict=True)]
-        return [
-            update.step_hyper(g, t, self.config, peak if sparse else None)
-            for g, peak in zip(groups, self.peak_lr, strict=True)
-        ]
+        hypers, self.peak_lr = update.step_hypers(self.optimizer.param_groups, t, self.config, self.peak_lr, sparse)
+        return hypers
 
 
 def _check_inputs(optimizer: Optimizer) -> None:

@@ -50,6 +50,23 @@ def step_hyper(group: Mapping[str, Any], step: int, config: ScapeConfig, peak_lr
     )
 
 
+def step_hypers(
+    groups: list[dict[str, Any]], step: int, config: ScapeConfig, peak_lr: list[float], sparse: bool
+) -> tuple[list[AdamSHyper], list[float]]:
+    """Per param group, :func:`step_hyper` of step ``step``, and each group's peak learning rate with this step's.
+
+    Args:
+        groups: The optimizer's param groups.
+        step: The step t being taken.
+        config: The SCAPE configuration.
+        peak_lr: Per group, the largest learning rate of the steps before.
+        sparse: Whether the step is sparse (the interval update's cap applies).
+    """
+    peaks = [max(peak, g["lr"]) for peak, g in zip(peak_lr, groups, strict=True)]
+    hypers = [step_hyper(g, step, config, peak if sparse else None) for g, peak in zip(groups, peaks, strict=True)]
+    return hypers, peaks
+
+
 def for_bucket(hypers: list[AdamSHyper], bucket: BucketState) -> AdamSHyper:
     """The hyperparameters of ``bucket``'s param group, its bias corrections counted from the step it joined."""
     hyper = hypers[bucket.layout.group_index]

@@ -149,44 +149,56 @@ def pretrain(
         comm_log_interval: Every this many optimizer steps, log SCAPE's ``comm/`` keys (0: ``train.log_interval``).
         _hyperparameters: The parsed command line, for each checkpoint's ``hyperparameters.yaml``.
     """
-    from litgpt import pretrain as litgpt_pretrain
-
-    recipe = _resolve_recipe(
-        model_name=model_name,
-        model_config=model_config,
-        out_dir=out_dir,
-        precision=precision,
-        initial_checkpoint_dir=initial_checkpoint_dir,
-        data=data,
-        train=train,
-        eval=eval,
-        accelerator=accelerator,
-        devices=devices,
-        tokenizer_dir=tokenizer_dir,
-    )
+    args = _PretrainArgs(**locals())  # first: every local is an argument
+    recipe = _resolve_recipe(args)
     run = _run_settings(timeout_s, resume_with_new_config)
     check_resume(resume, recipe.out_dir, scape, run.resume_with_new_config)
-    fabric, comm_logger = _launch_fabric(
-        recipe,
-        accelerator=accelerator,
-        num_nodes=num_nodes,
-        resume=resume,
-        train=train,
-        log=log,
-        logger_name=logger_name,
-        scape=scape,
-        fsdp=fsdp,
-        process_group_backend=process_group_backend,
-        run=run,
-        comm_log_interval=comm_log_interval,
-        hyperparameters=_hyperparameters,
-    )
-    compile = comm_logger.compiled = fabric.device.type == "cuda" if compile is None else compile
+    fabric, comm_logger = _launch_fabric(recipe, args, run)
+    _train(fabric, comm_logger, recipe, args)
+    comm_logger.report_total(recipe.out_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PretrainArgs:
+    """:func:`pretrain`'s arguments as given (each one is described there)."""
+
+    model_name: str | None
+    model_config: Config | None
+    out_dir: Path
+    precision: str | None
+    initial_checkpoint_dir: Path | None
+    resume: bool | Literal["auto"] | Path
+    resume_with_new_config: bool
+    data: DataModule | None
+    train: TrainArgs
+    eval: EvalArgs
+    log: LogArgs
+    optimizer: str | dict
+    accelerator: Literal["auto", "cpu", "cuda", "gpu"]
+    devices: int | str
+    num_nodes: int
+    tokenizer_dir: Path | None
+    logger_name: Literal["csv", "tensorboard", "wandb", "mlflow", "litlogger"]
+    seed: int
+    scape: ScapeConfig
+    fsdp: FSDPArgs
+    process_group_backend: Literal["nccl", "gloo"] | None
+    timeout_s: float
+    compile: bool | None
+    comm_log_interval: int
+    _hyperparameters: dict[str, Any] | None
+
+
+def _train(fabric: L.Fabric, comm_logger: _CommunicationLogger, recipe: _Recipe, args: _PretrainArgs) -> None:
+    """litgpt's pretraining loop (``litgpt.pretrain.main``) on the launched Fabric, with the adaptations around it."""
+    from litgpt import pretrain as litgpt_pretrain
+
+    compile = comm_logger.compiled = fabric.device.type == "cuda" if args.compile is None else args.compile
     fabric.print(f"compile: {'on' if compile else 'off'} (torch.compile{'' if compile else ' is a no-op'})")
     with litgpt_adapted(
         litgpt_pretrain,
         compile=compile,
-        hyperparameters=_hyperparameters,
+        hyperparameters=args._hyperparameters,
         data=recipe.data,
         fabric=fabric,
         clock=comm_logger.clock,
@@ -194,20 +206,19 @@ def pretrain(
         litgpt_pretrain.main(
             fabric=fabric,
             devices=recipe.n_devices,
-            num_nodes=num_nodes,
-            seed=seed,
+            num_nodes=args.num_nodes,
+            seed=args.seed,
             initial_checkpoint_dir=recipe.initial_checkpoint_dir,
-            resume=resume,
+            resume=args.resume,
             config=recipe.model_config,
             data=recipe.data,
             out_dir=recipe.out_dir,
             tokenizer_dir=recipe.tokenizer_dir,
             tokenizer=recipe.tokenizer,
-            train=train,
-            eval=eval,
-            optimizer=optimizer,
+            train=args.train,
+            eval=args.eval,
+            optimizer=args.optimizer,
         )
-    comm_logger.report_total(recipe.out_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,20 +235,7 @@ class _Recipe:
     tokenizer: Tokenizer | None  # loaded from tokenizer_dir
 
 
-def _resolve_recipe(
-    *,
-    model_name: str | None,
-    model_config: Config | None,
-    out_dir: Path,
-    precision: str | None,
-    initial_checkpoint_dir: Path | None,
-    data: DataModule | None,
-    train: TrainArgs,
-    eval: EvalArgs,
-    accelerator: str,
-    devices: int | str,
-    tokenizer_dir: Path | None,
-) -> _Recipe:
+def _resolve_recipe(args: _PretrainArgs) -> _Recipe:
     """Fill in the defaults of :func:`pretrain`'s arguments and refuse what cannot work, before any launch.
 
     Raises:
@@ -246,19 +244,18 @@ def _resolve_recipe(
     """
     from litgpt.utils import extend_checkpoint_dir, init_out_dir, parse_devices
 
-    model_config = _model_config(model_name, model_config)
-    _refuse_ignored(train, model_config, eval)
-    data = _data_module(data, tokenizer_dir)
+    model_config = _model_config(args.model_name, args.model_config)
+    _refuse_ignored(args.train, model_config, args.eval)
+    data = _data_module(args.data, args.tokenizer_dir)
     check_vocab(data, model_config)
-    if initial_checkpoint_dir is not None:
-        initial_checkpoint_dir = extend_checkpoint_dir(initial_checkpoint_dir)
-    if tokenizer_dir is not None:
-        tokenizer_dir = extend_checkpoint_dir(tokenizer_dir)
-    if precision is None:
-        precision = default_precision(accelerator)
+    initial_checkpoint_dir, tokenizer_dir = (
+        None if d is None else extend_checkpoint_dir(d) for d in (args.initial_checkpoint_dir, args.tokenizer_dir)
+    )
+    precision = default_precision(args.accelerator) if args.precision is None else args.precision
     check_precision(precision)
+    devices, accelerator = args.devices, args.accelerator
     n_devices = parse_devices(devices) if accelerator != "cpu" or devices != "auto" else 1
-    out_dir = init_out_dir(out_dir)
+    out_dir = init_out_dir(args.out_dir)
     tokenizer = _tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     if initial_checkpoint_dir is not None and not initial_checkpoint_dir.is_dir():
         raise RecipeError(
@@ -368,41 +365,26 @@ def _data_module(data: DataModule | None, tokenizer_dir: Path | None) -> DataMod
     return data
 
 
-def _launch_fabric(
-    recipe: _Recipe,
-    *,
-    accelerator: str,
-    num_nodes: int,
-    resume: bool | Literal["auto"] | Path,
-    train: TrainArgs,
-    log: LogArgs,
-    logger_name: str,
-    scape: ScapeConfig,
-    fsdp: FSDPArgs,
-    process_group_backend: Literal["nccl", "gloo"] | None,
-    run: RunSettings,
-    comm_log_interval: int,
-    hyperparameters: dict[str, Any] | None,
-) -> tuple[L.Fabric, _CommunicationLogger]:
+def _launch_fabric(recipe: _Recipe, args: _PretrainArgs, run: RunSettings) -> tuple[L.Fabric, _CommunicationLogger]:
     """Fabric with the SCAPE strategy, litgpt's logger and the communication logger, launched on every process."""
     import lightning as L
     from litgpt.utils import choose_logger
 
     logger = choose_logger(
-        logger_name,
+        args.logger_name,
         recipe.out_dir,
         name=f"pretrain-{recipe.model_config.name}",
-        resume=bool(resume),
-        log_interval=train.log_interval,
-        log_args=dataclasses.asdict(log),
+        resume=bool(args.resume),
+        log_interval=args.train.log_interval,
+        log_args=dataclasses.asdict(args.log),
     )
-    comm_logger = _CommunicationLogger(comm_log_interval or train.log_interval, train, recipe)
-    strategy = _strategy(recipe, num_nodes, scape, fsdp, process_group_backend, run)
+    comm_logger = _CommunicationLogger(args.comm_log_interval or args.train.log_interval, args.train, recipe)
+    strategy = _strategy(recipe, args.num_nodes, args.scape, args.fsdp, args.process_group_backend, run)
     strategy.log_run_summary = False  # its lines are in the command's own summary (report_total)
     fabric = L.Fabric(
-        accelerator=accelerator,
+        accelerator=args.accelerator,
         devices=recipe.n_devices,
-        num_nodes=num_nodes,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         precision=recipe.precision,  # type: ignore[arg-type]  # one of PRECISIONS, checked by _resolve_recipe
         loggers=[logger],
@@ -410,9 +392,9 @@ def _launch_fabric(
     )
     fabric.launch()
     comm_logger.fabric = fabric
-    fabric.print(f"SCAPE config: {config_line(scape)}")
+    fabric.print(f"SCAPE config: {config_line(args.scape)}")
     planned = comm_logger.planned_steps(fabric.world_size)
-    warmup = scape.dense_steps
+    warmup = args.scape.dense_steps
     fabric.print(
         f"{planned} optimizer steps of {comm_logger.tokens_per_step(fabric.world_size):,} tokens"
         + (f"; steps 1-{min(warmup, planned)} are SCAPE's dense warm-up (then the density ramp)" if warmup else "")
@@ -422,8 +404,8 @@ def _launch_fabric(
     if log_dir is not None:
         comm_logger.log_dir = Path(log_dir)
         fabric.print(f"logs: {log_dir} (litgpt's metrics and SCAPE's comm/ keys)")
-    if hyperparameters is not None and logger_name in ("tensorboard", "wandb", "mlflow"):
-        fabric.logger.log_hyperparams(hyperparameters)
+    if args._hyperparameters is not None and args.logger_name in ("tensorboard", "wandb", "mlflow"):
+        fabric.logger.log_hyperparams(args._hyperparameters)
     return fabric, comm_logger
 
 

@@ -29,7 +29,7 @@ from torchmetrics import MaxMetric, MeanMetric, Metric, SumMetric
 from typing_extensions import override
 
 from lightning_scape.comm import TRAFFIC_KINDS
-from lightning_scape.engine import ScapeEngine
+from lightning_scape.engine import ScapeEngine, feedback
 from lightning_scape.kernels import mask_positions
 from lightning_scape.planning.pilot import FormPilot
 from lightning_scape.runtime.optimizer import ScapeOptimizer, scape_optimizers, unwrap_optimizer
@@ -297,8 +297,9 @@ class MaskMonitor(_ScapeMonitor):
             agg.update("mask/kept_fraction", 1.0, device=dev)
             agg.update("mask/jaccard", 1.0, device=dev)
         self._previous = masks
-        agg.update("mask/residual_norm", engine.residual_norm(), sync=True, device=dev)
-        agg.update("mask/oldest_unsent_age", engine.oldest_unsent_age(), kind="max", sync=True, device=dev)
+        agg.update("mask/residual_norm", feedback.residual_norm(engine.buckets), sync=True, device=dev)
+        age = feedback.oldest_unsent_age(engine.buckets, engine.step_count, engine.in_warmup)
+        agg.update("mask/oldest_unsent_age", age, kind="max", sync=True, device=dev)
         n = self.topk_every_n_steps
         if n is not None and engine.step_count % n == 0:
             agg.update("mask/topk_coverage", topk_coverage(engine, positions), device=dev)
