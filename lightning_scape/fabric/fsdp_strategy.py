@@ -230,13 +230,7 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         checked = fsdp_checkpoint.read_and_check(folder, self.grid, modules, optimizers, strict)
         fsdp_checkpoint.load(checked, modules, optimizers)
         metadata = dict(checked.meta["metadata"])
-        for key, obj in rest.items():
-            if key not in metadata:
-                continue
-            if isinstance(obj, _Stateful):
-                obj.load_state_dict(metadata.pop(key))
-            else:
-                state[key] = metadata.pop(key)
+        self._restore_values(state, metadata, rest)
         return metadata
 
     # -------------------------------------------------------------------------------------- lifecycle

@@ -4,11 +4,12 @@ clipping by the global norm."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.types import _Stateful
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -54,6 +55,18 @@ class SetUpObjects(RunNotices):
         self._check_schedule()
         self._end_at_exit()  # Fabric does not know when a run ends: its notices come at teardown, or at exit
         return scape
+
+    @staticmethod
+    def _restore_values(state: dict[str, Any], saved: dict[str, Any], keys: Iterable[str]) -> None:
+        """Lightning's rule for what ``fabric.load`` restores beside models and optimizers: each of ``keys`` found in
+        ``saved`` leaves it; a stateful object loads it, any other value replaces the one in ``state``."""
+        for key in keys:
+            if key not in saved:
+                continue
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(saved.pop(key))
+            else:
+                state[key] = saved.pop(key)
 
     @contextmanager
     def _failure_remembered(self) -> Iterator[None]:

@@ -21,7 +21,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.types import _PATH, Optimizable, _Stateful
+from lightning.fabric.utilities.types import _PATH, Optimizable
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -232,18 +232,15 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
         )
         if scape:
             self._checkpoint_world_size = checkpoint_protocol.stub_world_size(checkpoint[next(iter(scape))])
-        for name, obj in list(state.items()):
-            if name not in checkpoint:
-                continue
-            if name in scape:
+        for name, obj in state.items():
+            if name in scape and name in checkpoint:
                 scape[name].load_state_dict(full[name])
                 checkpoint.pop(name)
-            elif isinstance(obj, Module):
+            elif isinstance(obj, Module) and name in checkpoint:
                 self.load_module_state_dict(module=obj, state_dict=checkpoint.pop(name), strict=strict)
-            elif isinstance(obj, _Stateful):
-                obj.load_state_dict(checkpoint.pop(name))
-            else:
-                state[name] = checkpoint.pop(name)
+        self._restore_values(
+            state, checkpoint, [k for k, v in state.items() if k not in scape and not isinstance(v, Module)]
+        )
         return checkpoint
 
     # -------------------------------------------------------------------------------------- lifecycle
