@@ -156,8 +156,9 @@ def plot_command(argv: list[str]) -> Path:
 ESTIMATE_DESCRIPTION = """\
 Does SCAPE pay on your network? For a model, a cluster and one rank's compute per step, print what DDP
 (fp32 all-reduce), DDP's bf16 hook and SCAPE at a few densities send per step, their predicted step time and
-memory per rank, the link rate below which SCAPE is the faster, what its dense warm-up and density ramp
-cost, and a recommendation. Nothing is launched.
+memory per rank, the link rate below which SCAPE reaches the same loss sooner (its step times the steps its
+sparse phase needs, where measured), what its dense warm-up and density ramp cost, the form SCAPE's defaults
+would choose, and the settings to use. Nothing is launched.
 
 The bytes are the package's own ring formulas on the engine's layout; a collective takes its bytes over the
 link plus one latency per ring step; DDP's all-reduces and SCAPE's value reduce-scatters overlap the

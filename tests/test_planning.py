@@ -30,6 +30,7 @@ from lightning_scape.planning import (
     ddp_bucket_numels,
     ddp_traffic,
     estimate,
+    format_estimate,
     forms,
     parameter_groups,
     scape_layout,
@@ -190,21 +191,31 @@ def test_the_breakeven_rate_is_where_the_predicted_steps_are_equal(extra_s: floa
             assert 0 < bps < math.inf
             ref = ddp_traffic(ddp_bucket_numels(groups, 25.0), itemsize=itemsize)
 
-            def gap(rate: float, _ref: StepTraffic = ref, _d: float = d) -> float:
+            # d = 0.01: its time to the same loss (x1.4 the steps); d = 0.1, whose steps are not measured: its step.
+            factor = {0.1: 1.0, 0.01: 1.4}[d]
+            assert m.steps_factor == (None if d == 0.1 else factor)
+
+            def gap(rate: float, _ref: StepTraffic = ref, _d: float = d, _f: float = factor) -> float:
                 at = Cluster(2, 1, Link(rate))
                 scape = estimate(groups, at, compute, [_d]).method(scape_name(_d))
-                return step_time(_ref, compute, at).total_s - scape.step.total_s
+                return step_time(_ref, compute, at).total_s - _f * scape.step.total_s
 
             assert gap(bps) == pytest.approx(0.0, abs=1e-9)
             assert gap(bps / 2) > 0 > gap(bps * 2)  # SCAPE faster below, slower above
 
 
-def test_without_its_own_work_scape_pays_at_every_rate_and_the_estimate_says_what_it_counted() -> None:
-    compute = StepCompute.from_total(0.05)  # no extra work given: SCAPE only saves
+def test_without_its_own_work_a_faster_step_still_pays_only_below_a_rate_where_its_steps_are_counted() -> None:
+    compute = StepCompute.from_total(0.05)  # no extra work given: per step, SCAPE d=0.01 only saves
     est = estimate(parameter_groups(numel=20_000_000), Cluster(2, 1, Link(1e9)), compute)
     scape = est.method(scape_name(0.01))
-    assert not scape.extra_counted and scape.breakeven_bps == {DDP: math.inf, DDP_BF16: math.inf}
-    assert scape.step.total_s < est.method(DDP).step.total_s
+    assert not scape.extra_counted and scape.step.total_s < est.method(DDP).step.total_s
+    # Per step it is faster at every rate; x1.4 the steps, DDP reaches the loss first on a fast enough link.
+    assert scape.breakeven_bps is not None and 0 < scape.breakeven_bps[DDP] < math.inf
+    text = format_estimate(est, "20M", "given")
+    assert "SCAPE d=0.01 reaches the same loss sooner than DDP + AdamW below" in text and "(x1.4 the steps" in text
+    assert "SCAPE d=0.1's step is faster than DDP + AdamW below" in text  # its steps to the loss: not measured
+    assert "per step only: the steps it needs to the same loss at this density are not measured" in text
+    assert "every rate" not in text
 
 
 def test_recommendation_follows_the_link() -> None:

@@ -53,7 +53,10 @@ class MethodEstimate:
         memory: Memory per rank, activations excluded.
         dense_bytes_per_step: SCAPE: bytes of one of its dense steps.
         extra_counted: SCAPE: whether the engine's own work per step is part of ``step``.
-        breakeven_bps: SCAPE: per dense method, the link rate below which SCAPE's step is the faster.
+        steps_factor: SCAPE: the steps its form needs to the loss dense AdamS reaches, as a multiple of dense
+            AdamS's (:data:`~lightning_scape.planning.forms.STEPS_TO_LOSS`); None where not measured.
+        breakeven_bps: SCAPE: per dense method, the link rate below which SCAPE reaches the same loss sooner (its
+            step times ``steps_factor`` against the dense method's step); per step where ``steps_factor`` is None.
         schedule: SCAPE: what its warm-up and ramp cost against DDP.
         run_s: The whole run's time, when its length was given.
     """
@@ -65,6 +68,7 @@ class MethodEstimate:
     memory: Memory
     dense_bytes_per_step: int | None = None
     extra_counted: bool = True
+    steps_factor: float | None = None
     breakeven_bps: dict[str, float] | None = None
     schedule: ScheduleCost | None = None
     run_s: float | None = None
@@ -181,6 +185,7 @@ def _scape(
 ) -> MethodEstimate:
     """SCAPE at ``cfg``: its step after the schedule, the schedule's cost, and where it breaks even."""
     W = cluster.world_size
+    factor = forms.STEPS_TO_LOSS.get(Form(cfg.wire_format or "full", cfg.sparse_density))
     layout = scape_layout(param_groups, W, cfg)
     traffic = ScapeTraffic(layout, cfg)
     steady = traffic.steady_state()
@@ -198,7 +203,7 @@ def _scape(
     def gain_at(reference: StepTraffic) -> Callable[[float], float]:
         def gain(bps: float) -> float:
             at = cluster.with_bandwidth(bps)
-            scape_s = mean_step(steady, compute, at, extra, overlap_next).total_s
+            scape_s = mean_step(steady, compute, at, extra, overlap_next).total_s * (factor or 1.0)
             return step_time(reference, compute, at).total_s - scape_s
 
         return gain
@@ -214,6 +219,7 @@ def _scape(
         memory=scape_memory(layout, cfg),
         dense_bytes_per_step=schedule[0].bytes_sent(W) if cfg.dense_steps else None,
         extra_counted=compute.has_extra(cfg.sparse_density),
+        steps_factor=factor,
         breakeven_bps={name: breakeven_bandwidth(gain_at(t)) for name, t in dense.items()},
         schedule=cost,
         run_s=run_s,
