@@ -267,6 +267,20 @@ def test_the_int8_wire_adds_scape_with_every_step_dense() -> None:
     assert all(x.name != SCAPE_INT8_DENSE for x in _estimate().methods)
 
 
+def test_a_fixed_form_is_recommended_on_its_time_to_the_same_loss_not_on_its_step() -> None:
+    # Find a link where SCAPE d=0.01's step beats DDP's by more than CLEAR_GAIN, but not by the 1.4x steps it needs.
+    rates = [1e9 * 1.1**i for i in range(60)]
+    ests = [_estimate(bps=bps) for bps in rates]
+    step_gain = [e.method(DDP).step.total_s / e.method(scape_name(0.01)).step.total_s for e in ests]
+    between = [e for e, g in zip(ests, step_gain, strict=True) if 1.15 < g < 1.35]
+    assert between, step_gain
+    for est in between:
+        assert not est.recommendation.startswith("Use SCAPE"), est.recommendation
+        assert "reach the same loss" in est.recommendation
+    slow = _estimate(bps=1e8)
+    assert "reach the same loss" in slow.recommendation and "(its steps are 1.4x as many)" in slow.recommendation
+
+
 def test_the_default_schedule_is_the_configs() -> None:
     est = _estimate(bps=1e8, run_steps=1000)
     cfg = ScapeConfig()

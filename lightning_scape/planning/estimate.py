@@ -35,8 +35,9 @@ DENSITIES = (0.1, 0.01)
 # A method must be this much faster per step to be recommended over the one before it: below it, the
 # model's own error (docs/benchmarks.md, "Predicted against measured") decides.
 CLEAR_GAIN = 1.1
-# Sparse steps must be this much faster than SCAPE's int8 dense steps to pay: both step AdamS, but the sparse
-# phase needs more steps to reach the same loss (about 1.3x in the time-to-loss benchmark, docs/benchmarks.md).
+# Sparse steps at a density whose steps to the same loss are not measured (forms.STEPS_TO_LOSS) must be this much
+# faster than SCAPE's int8 dense steps to pay: both step AdamS, but the sparse phase needs more steps to reach the
+# same loss (1.3-1.4x in the time-to-loss benchmark, docs/benchmarks.md).
 SPARSE_STEPS = 1.3
 
 
@@ -229,16 +230,17 @@ def _scape(
 def recommend(methods: Sequence[MethodEstimate], run_steps: int | None = None) -> str:
     """One sentence: the method to use, and why, from the predicted steps (and the run's length, if known).
 
-    SCAPE's sparse steps are recommended over DDP's when they are :data:`CLEAR_GAIN` faster, and over SCAPE's int8
-    dense steps (when estimated) when they are :data:`SPARSE_STEPS` faster, the extra steps they need; the int8
-    dense steps over DDP's when they are no slower (both step on the whole gradient).
+    SCAPE's sparse steps are recommended over DDP's when they reach the same loss :data:`CLEAR_GAIN` sooner (their
+    step times the steps their sparse phase needs, where measured), and over SCAPE's int8 dense steps (when
+    estimated) when they are faster by the extra steps they need (:func:`_sparse_steps`); the int8 dense steps over
+    DDP's when they are no slower (both step on the whole gradient).
     """
     dense = min((m for m in methods if m.density is None and m.name != SCAPE_INT8_DENSE), key=lambda m: m.step.total_s)
-    scape = min((m for m in methods if m.density is not None), key=lambda m: m.step.total_s)
+    scape = min((m for m in methods if m.density is not None), key=_time_to_loss)
     int8_dense = next((m for m in methods if m.name == SCAPE_INT8_DENSE), None)
-    if int8_dense is not None and int8_dense.step.total_s / scape.step.total_s < SPARSE_STEPS:
+    if int8_dense is not None and int8_dense.step.total_s / scape.step.total_s < _sparse_steps(scape):
         return _recommend_int8_dense(dense, int8_dense, scape, run_steps)
-    gain = dense.step.total_s / scape.step.total_s
+    gain = dense.step.total_s / _time_to_loss(scape)
     cost = scape.schedule
     share = dense.step.exposed_s / dense.step.total_s
     if gain >= CLEAR_GAIN and cost is not None and cost.ahead_from is not None:
@@ -251,29 +253,48 @@ def recommend(methods: Sequence[MethodEstimate], run_steps: int | None = None) -
             )
         after = f"after its {span}-step warm-up and ramp " if span else ""
         return (
-            f"Use {scape.name}: {after}its steps are predicted {gain:.2f}x faster than {dense.name}'s, and a run is "
-            f"ahead of {DDP}'s from step {cost.ahead_from} on."
+            f"Use {scape.name}: {after}it is predicted to reach the same loss {gain:.2f}x sooner than {dense.name}"
+            f"{_counted(scape)}, and a run is ahead of {DDP}'s in steps from step {cost.ahead_from} on."
         )
     if gain > 1:
         return (
-            f"{scape.name} is predicted only {100 * (gain - 1):.0f}% faster per step than {dense.name}: the network "
-            f"is not the bottleneck here ({share:.0%} of its step waits for communication), so stay with {dense.name} "
-            f"unless the link is slower than this."
+            f"{scape.name} is predicted to reach the same loss only {100 * (gain - 1):.0f}% sooner than {dense.name}"
+            f"{_counted(scape)}: the network is not the bottleneck here ({share:.0%} of its step waits for "
+            f"communication), so stay with {dense.name} unless the link is slower than this."
         )
     return (
-        f"SCAPE does not pay here: {dense.name} is predicted {1 / gain:.2f}x faster per step than {scape.name} "
-        f"({share:.0%} of its step waits for communication); use {dense.name}."
+        f"SCAPE does not pay here: {dense.name} is predicted to reach the same loss {1 / gain:.2f}x sooner than "
+        f"{scape.name}{_counted(scape)} ({share:.0%} of its step waits for communication); use {dense.name}."
     )
+
+
+def _time_to_loss(m: MethodEstimate) -> float:
+    """``m``'s step times the steps it needs to the same loss (its step alone where those are not measured)."""
+    return m.step.total_s * (m.steps_factor or 1.0)
+
+
+def _sparse_steps(m: MethodEstimate) -> float:
+    """The steps ``m``'s sparse phase needs to the same loss, as a multiple of dense steps: measured, or
+    :data:`SPARSE_STEPS`."""
+    return m.steps_factor or SPARSE_STEPS
+
+
+def _counted(m: MethodEstimate) -> str:
+    """What ``m``'s comparison counted."""
+    if m.steps_factor is None:
+        return " (per step: the steps it needs at this density are not measured)"
+    return f" (its steps are {m.steps_factor:g}x as many)"
 
 
 def _recommend_int8_dense(
     dense: MethodEstimate, int8_dense: MethodEstimate, scape: MethodEstimate, run_steps: int | None
 ) -> str:
-    """The recommendation when SCAPE's sparse steps do not beat its int8 dense steps by :data:`SPARSE_STEPS`."""
+    """The recommendation when SCAPE's sparse steps do not beat its int8 dense steps by :func:`_sparse_steps`."""
     gain = dense.step.total_s / int8_dense.step.total_s
     sparse = (
         f"{scape.name}'s steps are only {int8_dense.step.total_s / scape.step.total_s:.2f}x faster than "
-        f"{int8_dense.name}'s, less than the {SPARSE_STEPS}x more steps its sparse phase needs to the same loss"
+        f"{int8_dense.name}'s, less than the {_sparse_steps(scape):g}x more steps its sparse phase needs to the same "
+        "loss"
     )
     if gain >= 1.0:  # a quarter of DDP's bytes and AdamS's steps: no slower per step is enough
         steps = str(run_steps) if run_steps is not None else "the run's length"
