@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.pytorch import clipping
 from lightning_scape.runtime.optimizer import ScapeOptimizer, scape_optimizers
 from lightning_scape.runtime.run_notices import RunNotices
 
@@ -45,6 +46,12 @@ class FitObjects(RunNotices, _Strategy):
         super().on_train_start()
         assert self.lightning_module is not None
         self.warn_if_all_dense(planned_steps(self.lightning_module.trainer))
+
+    def _end_fit(self) -> None:
+        """At teardown: close the engines (without waiting on collectives after a failure), sum the fit up (rank 0),
+        and give the precision plugin its own clipping back."""
+        self._close_run()
+        clipping.restore(self.precision_plugin)
 
     def on_exception(self, exception: BaseException) -> None:
         """Remember a failure: teardown then waits on no collective that will never finish, and a failed fit is

@@ -218,11 +218,10 @@ class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
     def teardown(self) -> None:
         """Remove the engines' hooks (without waiting on collectives after a failure), log the fit's summary, remove
         the bindings' hooks and the clipping redirect."""
-        self._close_run()
+        self._end_fit()
         for binding in self._bindings:
             binding.detach()
         self._bindings.clear()
-        clipping.restore(self.precision_plugin)
         super().teardown()
 
     @classmethod

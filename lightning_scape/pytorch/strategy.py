@@ -313,8 +313,7 @@ class ScapeStrategy(FitObjects, DDPStrategy):
     def teardown(self) -> None:
         """Sum the fit up (rank 0); remove the engine's hooks and the clipping redirect; stop the heartbeat."""
         self._pending_states = None
-        self._close_run()
-        clipping.restore(self.precision_plugin)
+        self._end_fit()
         super().teardown()
 
     @classmethod
