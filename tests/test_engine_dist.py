@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import select
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -205,6 +206,61 @@ def test_a_failing_process_does_not_wait_at_exit(mode: str) -> None:
     if mode == "fail":
         assert rank0.returncode == 1 and "ValueError: the training loop failed" in stderr, stderr[-3000:]
     assert held.startswith("held at exit:") and held.rstrip().endswith("groups left: True"), (held, stderr[-3000:])
+
+
+# A reference cycle holds the process group (as a hook bound to an object that holds a DDP wrapper does), the
+# last collective's tensor is dropped in Python while gloo holds it, and a barrier follows: the pattern whose
+# worker thread, still alive at finalization, aborted the process there. The garbage collector stays off, so
+# that only release_process_groups can free the cycle.
+_HELD_BY_A_CYCLE = """
+import gc, os, sys
+import torch, torch.distributed as dist
+from lightning_scape.comm import release_process_groups
+gc.disable()
+dist.init_process_group("gloo", rank=int(sys.argv[1]), world_size=2)
+class Holder:
+    pass
+holder = Holder()
+holder.me, holder.group = holder, dist.group.WORLD
+del holder
+x = torch.ones(1 << 16)
+work = dist.all_reduce(x, async_op=True)
+del work, x
+dist.barrier()
+def gloo_threads():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                names.append(fh.read().strip())
+        except OSError:
+            pass
+    return names.count("pt_gloo_runloop")
+before = gloo_threads()
+release_process_groups()
+print(f"gloo worker threads: {before} before, {gloo_threads()} after", flush=True)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_releasing_the_groups_ends_gloo_threads_that_a_reference_cycle_kept() -> None:
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [
+        subprocess.Popen(
+            [PYTHON, "-c", _HELD_BY_A_CYCLE, str(rank)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=HANG_S)
+        assert p.returncode == 0, stderr[-3000:]
+        # dist.destroy_process_group alone leaves them running (the cycle still holds the group).
+        before = int(stdout.split("gloo worker threads: ")[1].split()[0])
+        assert before > 0 and stdout.strip().endswith("before, 0 after"), (stdout, stderr[-3000:])
 
 
 # Rank 1 dies before it launches the all-gather rank 0 waits on, under a timeout of 10 minutes.

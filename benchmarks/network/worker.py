@@ -24,7 +24,6 @@ barrier that follows it); and the time from the last gradient being ready to the
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import math
 import os
@@ -43,7 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_scape import AdamS, FormPilot, ProcessGroupCommunicator, ScapeConfig, ScapeEngine
-from lightning_scape.comm import ByteCounters, Traffic, all_reduce_bytes
+from lightning_scape.comm import ByteCounters, Traffic, all_reduce_bytes, release_process_groups
 from lightning_scape.engine import fsdp_binding
 from lightning_scape.examples.workloads import (
     build_model,
@@ -316,8 +315,15 @@ class Method:
 
     def _watch_gradients(self) -> None:
         self._last_grad = 0.0
-        for p in self.model.parameters():
-            p.register_post_accumulate_grad_hook(self._tick)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._tick) for p in self.model.parameters()]
+
+    def close(self) -> None:
+        """Let go of the process group: the gradient hooks are bound to this object and sit on parameters that
+        DDP's reducer holds in C++, a cycle that would keep the group (and gloo's threads) alive past its
+        destruction (``lightning_scape.comm.release_process_groups``)."""
+        for hook in self.__dict__.pop("_hooks", []):  # methods that watch their gradients
+            hook.remove()
+        self.__dict__.pop("ddp", None)
 
     def _tick(self, p: Tensor) -> None:
         self._last_grad = time.perf_counter()
@@ -750,6 +756,8 @@ def run(spec: WorkerSpec) -> dict[str, Any]:
                 ]  # fmt: skip
             m.engine.close()
         out["methods"][m.name] = info
+    for m in methods:
+        m.close()
     return out
 
 
@@ -769,7 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result = run(spec)
         finally:
-            dist.destroy_process_group()
+            release_process_groups()
     except Exception:
         traceback.print_exc()
         print(f"rank {rank}: failed (traceback above)", file=sys.stderr, flush=True)
@@ -779,16 +787,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_without_finalization(code: int) -> None:
-    """Run the exit handlers (the package's wait for its collectives, the heartbeat's stop), then leave without
-    the interpreter's finalization: there, about one run in twenty on a loaded 2-core machine, a worker whose
-    results were written aborted ("terminate called without an active exception", SIGABRT, no Python frame),
-    and the harness took the run for failed. The cause is not known (docs/benchmarks.md, "How it works")."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    exit_without_finalization(main())
+    sys.exit(main())

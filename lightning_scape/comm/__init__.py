@@ -18,7 +18,7 @@
 from lightning_scape.comm.base import Communicator, Done, Pending, SoloCommunicator
 from lightning_scape.comm.counters import TRAFFIC_KINDS, ByteCounters, Traffic
 from lightning_scape.comm.fault_naming import FaultNamingCommunicator, make_communicator, stop_heartbeat
-from lightning_scape.comm.process_group import ProcessGroupCommunicator, abandon_in_flight
+from lightning_scape.comm.process_group import ProcessGroupCommunicator, abandon_in_flight, release_process_groups
 from lightning_scape.comm.thread_group import ThreadGroupCommunicator
 from lightning_scape.comm.wire import Wire, all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 
@@ -39,5 +39,6 @@ __all__ = [
     "all_reduce_bytes",
     "make_communicator",
     "reduce_scatter_bytes",
+    "release_process_groups",
     "stop_heartbeat",
 ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
+import os
 import sys
 import time
 from datetime import timedelta
@@ -74,10 +76,11 @@ class _InFlight:
     ("terminate called without an active exception", SIGABRT) after a run that succeeded: for a collective still
     in flight at exit (a Fabric script ends with its last step's mask all-gather in flight, as Fabric has no end
     of run to wait at), and even for one waited on just before (the worker thread lets go of it after the wait
-    returns). So at exit, while the interpreter is whole, the process waits for its collectives in launch order
-    and destroys its process groups, which joins gloo's worker threads. A failing process (an uncaught exception,
-    one of these collectives failed, or :func:`abandon_in_flight` was called) waits for nothing, since its peers may
-    never answer; it destroys its process groups only where none of its collectives is in flight or failed.
+    returns, or, where a later barrier still refers to it, after that barrier). So at exit, while the interpreter is
+    whole, the process waits for its collectives in launch order and releases its process groups
+    (:func:`release_process_groups`). A failing process (an uncaught exception, one of these collectives failed, or
+    :func:`abandon_in_flight` was called) waits for nothing, since its peers may never answer; it releases its
+    process groups only where none of its collectives is in flight or failed.
     """
 
     def __init__(self) -> None:
@@ -98,14 +101,15 @@ class _InFlight:
     def finish_at_exit(self) -> None:
         """Wait for every collective still in flight, in launch order, then destroy the process groups. After a
         failure, destroy them only where nothing is in flight and no collective failed: there is nothing to
-        wait for, and gloo's threads are joined before the interpreter finalizes (a refused checkpoint, a
+        wait for, and gloo's threads are done before the interpreter finalizes (a refused checkpoint, a
         failing training step)."""
-        if not dist.is_initialized():
+        if not dist.is_initialized():  # the program destroyed its groups; an object may still hold one
+            _wait_for_idle_gloo_threads()
             return
         exiting_on_error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         if self.failed or exiting_on_error:
             if not self.works and not self.collective_failed:
-                dist.destroy_process_group()
+                release_process_groups()
             return
         for work in list(self.works.values()):
             try:
@@ -113,7 +117,64 @@ class _InFlight:
             except RuntimeError as exc:  # the run itself is over: say so, and leave without waiting further
                 log.warning("lightning_scape: a collective still in flight when the process exited failed. %s", exc)
                 return
-        dist.destroy_process_group()
+        release_process_groups()
+
+
+def release_process_groups() -> None:
+    """Destroy the process groups, and leave no gloo worker thread with work to finish when the interpreter finalizes.
+
+    ``destroy_process_group`` ends gloo's worker threads only where it drops the last reference to a group (on gloo
+    ``ProcessGroup.shutdown`` does nothing): a group that an object still holds, or a reference cycle (a hook bound
+    to an object that holds a ``DistributedDataParallel`` wrapper), keeps them running into finalization, where one
+    that only then lets go of a finished collective's tensor aborts the process. So, in this order: collect the
+    cycles while the group registry still holds every group (a group's last reference must go inside
+    ``destroy_process_group``, which releases the GIL while it joins the threads; dropped by the garbage collector,
+    the GIL held, the join would wait on a thread that waits for the GIL); destroy; then, where gloo threads are
+    left (the group is held elsewhere), let them finish (:func:`_wait_for_idle_gloo_threads`).
+    """
+    gc.collect()
+    dist.destroy_process_group()
+    _wait_for_idle_gloo_threads()
+
+
+# Gloo's worker threads, by the name torch gives them; where /proc or the name is missing, nothing is waited for.
+_GLOO_WORKER_THREAD = "pt_gloo_runloop"
+
+
+def _gloo_threads_busy() -> bool | None:
+    """Whether one of this process's gloo worker threads is running or runnable; None where it has none (or the
+    system has no ``/proc``)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    seen = False
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                if fh.read().strip() != _GLOO_WORKER_THREAD:
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # the thread ended meanwhile
+            continue
+        seen = True
+        if state != "S":
+            return True
+    return False if seen else None
+
+
+def _wait_for_idle_gloo_threads(timeout_s: float = 1.0) -> None:
+    """Sleep, the GIL free, until every gloo worker thread has been seen asleep 5 times in a row (at most
+    ``timeout_s``): a thread that waits for the GIL to let go of a finished collective gets it now, while the
+    interpreter is whole (a thread waiting for the GIL sleeps too, but one that wanted it has had it by then).
+    Linux only; elsewhere nothing is waited for."""
+    if _gloo_threads_busy() is None:
+        return
+    quiet, deadline = 0, time.monotonic() + timeout_s
+    while quiet < 5 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        quiet = 0 if _gloo_threads_busy() else quiet + 1
 
 
 IN_FLIGHT = _InFlight()
