@@ -134,6 +134,26 @@ def test_cache_is_reused_and_invalidated_when_a_file_changes(
     assert len(list(cache.iterdir())) == 5
 
 
+def test_an_entry_another_rank_renames_into_place_meanwhile_is_used_not_removed(
+    corpus: tuple[Path, dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, _ = corpus
+    cache = tmp_path / "cache"
+    first = TextFolder(path=folder, cache_dir=cache).token_splits()
+    (entry,) = cache.iterdir()
+    # This rank looks before the other rank's rename lands (incomplete), and finds the folder there just after.
+    real_complete, looks = data_module._entry_complete, []
+
+    def rename_lands_after_the_first_look(path: Path, kind: str) -> bool:
+        looks.append(path)
+        return len(looks) > 1 and real_complete(path, kind)
+
+    monkeypatch.setattr(data_module, "_entry_complete", rename_lands_after_the_first_look)
+    monkeypatch.setattr(data_module, "_read_file", lambda path, limit: pytest.fail("rebuilt a complete entry"))
+    again = TextFolder(path=folder, cache_dir=cache).token_splits()
+    assert [p.name for p in cache.iterdir()] == [entry.name] and torch.equal(first[0], again[0])
+
+
 def test_bpe_trains_caches_and_round_trips(
     corpus: tuple[Path, dict[str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -701,6 +701,8 @@ class _TokenCache:
         if _entry_complete(entry, self.tokenizer):
             return entry
         if entry.exists():
+            if _entry_complete(entry, self.tokenizer):  # another rank renamed its entry into place just now
+                return entry
             # An entry missing a file was damaged by hand (entries only ever appear complete, by rename):
             # move it aside atomically so a concurrent rank never reads it, then rebuild.
             with contextlib.suppress(OSError):
