@@ -126,15 +126,16 @@ def release_process_groups() -> None:
     ``destroy_process_group`` ends gloo's worker threads only where it drops the last reference to a group (on gloo
     ``ProcessGroup.shutdown`` does nothing): a group that an object still holds, or a reference cycle (a hook bound
     to an object that holds a ``DistributedDataParallel`` wrapper), keeps them running into finalization, where one
-    that only then lets go of a finished collective's tensor aborts the process. So, in this order: collect the
-    cycles while the group registry still holds every group (a group's last reference must go inside
-    ``destroy_process_group``, which releases the GIL while it joins the threads; dropped by the garbage collector,
-    the GIL held, the join would wait on a thread that waits for the GIL); destroy; then, where gloo threads are
-    left (the group is held elsewhere), let them finish (:func:`_wait_for_idle_gloo_threads`).
+    that only then lets go of a finished collective's tensor aborts the process. So: destroy; where gloo threads are
+    left, let them finish (:func:`_wait_for_idle_gloo_threads`), then collect reference cycles, which ends the
+    threads of a group only a cycle held. In that order: a group whose last reference the garbage collector drops
+    joins its threads with the GIL held, which must not wait on a thread that waits for the GIL. The collection
+    (a fraction of a second with torch loaded) runs only where threads were left.
     """
-    gc.collect()
     dist.destroy_process_group()
     _wait_for_idle_gloo_threads()
+    if _gloo_threads_busy() is not None:  # a group is still held
+        gc.collect()
 
 
 # Gloo's worker threads, by the name torch gives them; where /proc or the name is missing, nothing is waited for.
