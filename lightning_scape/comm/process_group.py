@@ -104,7 +104,7 @@ class _InFlight:
         wait for, and gloo's threads are done before the interpreter finalizes (a refused checkpoint, a
         failing training step)."""
         if not dist.is_initialized():  # the program destroyed its groups; an object may still hold one
-            _wait_for_idle_gloo_threads()
+            release_process_groups()
             return
         exiting_on_error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
         if self.failed or exiting_on_error:
@@ -130,9 +130,11 @@ def release_process_groups() -> None:
     left, let them finish (:func:`_wait_for_idle_gloo_threads`), then collect reference cycles, which ends the
     threads of a group only a cycle held. In that order: a group whose last reference the garbage collector drops
     joins its threads with the GIL held, which must not wait on a thread that waits for the GIL. The collection
-    (a fraction of a second with torch loaded) runs only where threads were left.
+    (a fraction of a second with torch loaded) runs only where threads were left. Where the program destroyed its
+    groups already, only the last two.
     """
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     _wait_for_idle_gloo_threads()
     if _gloo_threads_busy() is not None:  # a group is still held
         gc.collect()
