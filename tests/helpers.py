@@ -185,6 +185,21 @@ def run_script(
     return proc
 
 
+def survivor_outcome(
+    survivor: subprocess.Popen[str], victim: subprocess.Popen[str], timeout_s: float
+) -> dict[str, Any]:
+    """The surviving node's exit code and output once it ends (killed after ``timeout_s``: its code is then
+    negative), and the victim node killed, whatever state it is in."""
+    try:
+        output, _ = survivor.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        survivor.kill()
+        output, _ = survivor.communicate()
+    victim.kill()
+    victim.wait()
+    return {"returncode": survivor.returncode, "output": output}
+
+
 def save_output(outdir: str, name: str, rank: int, obj: Any) -> None:
     """Save what rank ``rank`` of a scenario produced, as ``<outdir>/<name>_rank<rank>.pt``."""
     torch.save(obj, os.path.join(outdir, f"{name}_rank{rank}.pt"))

@@ -26,7 +26,17 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import PYTHON, child_env, launcher_args, load_outputs, rank_zero_messages, rel_err, save_output, scenario
+from helpers import (
+    PYTHON,
+    child_env,
+    launcher_args,
+    load_outputs,
+    rank_zero_messages,
+    rel_err,
+    save_output,
+    scenario,
+    survivor_outcome,
+)
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny_gpt import LR, LitGPT, RankBatches, full_params, lm_loss, reference_adams, tiny_gpt, tokens
@@ -311,14 +321,7 @@ def failure_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
 
     def watch(form: str) -> None:
         victim, survivor = jobs[form]
-        try:
-            output, _ = survivor.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            survivor.kill()
-            output, _ = survivor.communicate()
-        victim.kill()
-        victim.wait()
-        results[form] = {"returncode": survivor.returncode, "output": output}
+        results[form] = survivor_outcome(survivor, victim, timeout_s=180)
 
     threads = [threading.Thread(target=watch, args=(form,)) for form in FORMS]
     for t in threads:

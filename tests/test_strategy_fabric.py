@@ -39,6 +39,7 @@ from helpers import (
     same,
     save_output,
     scenario,
+    survivor_outcome,
 )
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision.amp import MixedPrecision
@@ -387,14 +388,7 @@ def fault_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         )
         for node in (1, 0)
     )
-    try:
-        output, _ = survivor.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        survivor.kill()
-        output, _ = survivor.communicate()
-    victim.kill()
-    victim.wait()
-    return {"returncode": survivor.returncode, "output": output}
+    return survivor_outcome(survivor, victim, timeout_s=300)
 
 
 def test_survivor_stops_naming_the_silent_rank(fault_run: dict[str, Any]) -> None:
