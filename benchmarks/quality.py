@@ -9,6 +9,7 @@ runs side by side slow each other down):
     python benchmarks/quality.py --table catch_up      # catch_up_cap: 1000 steps
     python benchmarks/quality.py --table schedule      # dense warm-up and density ramp: 1000 steps
     python benchmarks/quality.py --table mask          # statistic, exploration, replicated mode: 1000 steps
+    python benchmarks/quality.py --table mask_int8     # the same on the int8 wire at d = 0.025: 1000 steps, 2 seeds
     python benchmarks/quality.py --table density       # density 0.02, 0.04, 0.1: 1000 steps
     python benchmarks/quality.py --table scale         # a 5.7x larger model, a 4x larger batch: 1000 steps
     python benchmarks/quality.py --table sparse_lr     # the sparse steps' learning rate x1.5, x2: 1000 steps
@@ -109,6 +110,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # The int8 wire at d = 0.025 with a shorter density ramp (its dense steps cost a quarter of fp32's).
     "int8_d0.025_r200": {"wire_format": "int8", "density": 0.025, "density_ramp_steps": 200},
     "int8_d0.025_r100": {"wire_format": "int8", "density": 0.025, "density_ramp_steps": 100},
+    # The mask of the form chosen on a slow link: the raw-gradient statistic, and exploration 0 and 0.3.
+    "int8_d0.025_gradient_stat": {"wire_format": "int8", "density": 0.025},
+    "int8_d0.025_explore0": {"wire_format": "int8", "density": 0.025, "exploration": 0.0},
+    "int8_d0.025_explore0.3": {"wire_format": "int8", "density": 0.025, "exploration": 0.3},
     # The package's defaults (SCAPE chooses the form), with the link its pilot measures read as 100 Mbit/s
     # (the simulated ranks' own link is memory): the form a run on that link takes, and its quality.
     "auto_100mbit": {"density": None},
@@ -138,6 +143,16 @@ TABLES: dict[str, list[tuple[list[str], list[str], int, list[int], str, int]]] =
     "sparse_lr": [([DENSE, "w100_r200", "sparse_lr1.5", "sparse_lr2"], *_STD)],
     "mask": [([DENSE, "default", "gradient_stat", "explore0", "explore0.3", "replicated"], *_STD)],
     "density": [([DENSE, "default", "d0.02", "d0.04", "d0.1"], *_STD)],
+    "mask_int8": [
+        (
+            [DENSE, "int8_d0.025", "int8_d0.025_gradient_stat", "int8_d0.025_explore0", "int8_d0.025_explore0.3"],
+            ["stdlib"],
+            1000,
+            [0, 1],
+            "small",
+            16,
+        )
+    ],
     "wire": [([DENSE, "default", "int8", "int8_d0.025", "int8_dense"], ["stdlib", "prose"], 1000, [0, 1], "small", 16)],
     "scale": [
         ([DENSE, "default"], ["stdlib"], 1000, [0], "base", 16),
@@ -174,7 +189,7 @@ def scape_config(name: str) -> ScapeConfig:
 
 # Configurations whose masks score the raw gradient with its residual, |e| (top-k with error feedback: the baseline
 # the paper compares its first-moment masks with), instead of the package's |b1*m + (1-b1)*e|.
-GRADIENT_STATISTIC = frozenset({"gradient_stat"})
+GRADIENT_STATISTIC = frozenset({"gradient_stat", "int8_d0.025_gradient_stat"})
 
 # The links the form pilot of an "auto_*" configuration reads instead of timing its probes (bits per second).
 # The link from each step on: ``{0: link}`` for a link that does not change.
