@@ -23,7 +23,7 @@ PROG = "lightning-scape"
 
 # One line per command, for ``lightning-scape --help``.
 COMMANDS: dict[str, str] = {
-    "demo": "DDP + AdamS against SCAPE (d=0.01) on 2 CPU processes on real text: bytes per step, losses, a plot",
+    "demo": "DDP + AdamS against SCAPE on 2 CPU processes on real text: bytes per step, losses, a plot",
     "pretrain": "pretrain a litgpt model with SCAPE from a YAML recipe (recipes/debug.yaml: 2 CPU processes)",
     "estimate": "does SCAPE pay on your network? bytes, step time and memory per rank against DDP, predicted",
     "plot": "the demo's plot for a run of yours: loss and bytes per step against DDP's, from its metrics CSV",
@@ -40,19 +40,20 @@ that logs CommunicationMonitor.compute(), or lightning-scape pretrain (OUT_DIR/l
 """
 
 DEMO_DESCRIPTION = """\
-DDP + AdamS against SCAPE on real text, on 2 CPU processes of this machine (gloo): about 75 s on a quiet
+DDP + AdamS against SCAPE on real text, on 2 CPU processes of this machine (gloo): about 95 s on a quiet
 2-core machine, about twice that on a busy one.
 
 A small litgpt GPT (0.86M parameters, byte tokens) trains twice through Lightning Fabric with the same seed,
 data order and learning-rate schedule: once as DDP + AdamS (every fp32 gradient all-reduced, what DDP sends,
-and SCAPE's optimizer AdamS on every rank), once with SCAPE, which sends 1% of the gradient values after a
-short dense warm-up and density ramp. The text is a folder of your own
-(--data) or, by default, the Python standard library's sources (no download).
+and SCAPE's optimizer AdamS on every rank), once with SCAPE in the form it takes on a slow link: 2.5% of the
+gradient values as 8-bit codes (about 1/80 of the bytes DDP sends a step) after a short dense warm-up and
+density ramp. The text is a folder of your own (--data) or, by default, the Python standard library's sources
+(no download).
 
 The table prints the bytes each method sends per step, their ratio to DDP, the training throughput and the
 final losses, with a note on what they mean; OUT/demo.csv holds every step and OUT/demo.png plots the loss
 and the bytes sent per step. On one machine the processes talk over loopback, which is never the
-bottleneck, so both methods train at about the same tokens/s: the wall-clock gain of sending 1% appears
+bottleneck, so both methods train at about the same tokens/s: the wall-clock gain of sending 1/80 appears
 on a slow network (benchmarks/network/, docs/benchmarks.md).
 """
 
@@ -65,17 +66,25 @@ def demo_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per process per step (default: %(default)s)")
     ap.add_argument("--block-size", type=int, default=128, help="tokens per sequence (default: %(default)s)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate, cosine schedule (default: %(default)s)")
+    ap.add_argument(
+        "--lr", type=float, default=1.5e-3, help="peak learning rate, cosine schedule (default: %(default)s)"
+    )
     ap.add_argument(
         "--dense-warmup-steps", type=int, default=30, help="SCAPE's dense warm-up steps (default: %(default)s)"
     )
     ap.add_argument(
         "--density-ramp-steps",
         type=int,
-        default=60,
+        default=150,
         help="SCAPE's density ramp after the warm-up, in steps (default: %(default)s)",
     )
-    ap.add_argument("--density", type=float, default=0.01, help="SCAPE's density (default: %(default)s)")
+    ap.add_argument("--density", type=float, default=0.025, help="SCAPE's density (default: %(default)s)")
+    ap.add_argument(
+        "--wire-format",
+        choices=("int8", "full"),
+        default="int8",
+        help="SCAPE's wire: 8-bit codes, or values in the parameters' dtype (default: %(default)s)",
+    )
     ap.add_argument(
         "--data", type=Path, default=None, help="a folder of text files, or one file (default: the Python stdlib's)"
     )

@@ -11,10 +11,17 @@ from pathlib import Path
 import pytest
 from helpers import write_corpus
 
-from lightning_scape.examples.demo import CSV_COLUMNS, speed_phrase
-from lightning_scape_cli import COMMANDS, demo_command, main
+from lightning_scape.examples.demo import CSV_COLUMNS, DemoOptions, method_config, speed_phrase
+from lightning_scape_cli import COMMANDS, demo_command, demo_parser, main
 
 STEPS, EVAL_EVERY = 6, 4
+
+
+def _short_run(corpus: Path, out: Path) -> list[str]:
+    """The demo's arguments for a few steps of a tiny model on ``corpus``, two of them dense."""
+    argv = ["--steps", str(STEPS), "--dense-warmup-steps", "2", "--density-ramp-steps", "0"]
+    argv += ["--batch-size", "2", "--block-size", "64"]
+    return [*argv, "--eval-every", str(EVAL_EVERY), "--data", str(corpus), "--out", str(out)]
 
 
 @pytest.mark.dist
@@ -24,10 +31,8 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
     monkeypatch.setenv("LIGHTNING_SCAPE_CACHE", str(tmp_path / "cache"))  # TextFolder's token cache
     corpus, out = tmp_path / "corpus", tmp_path / "out"
     write_corpus(corpus, 30, words=400)
-    argv = ["--steps", str(STEPS), "--dense-warmup-steps", "2", "--density-ramp-steps", "0"]
-    argv += ["--batch-size", "2", "--block-size", "64"]
-    argv += ["--eval-every", str(EVAL_EVERY), "--data", str(corpus), "--out", str(out)]
-    dense, scape = demo_command(argv)
+    # The fp32 wire, whose bytes the formulas below pin; the default int8 wire: the next test.
+    dense, scape = demo_command([*_short_run(corpus, out), "--wire-format", "full", "--density", "0.01"])
     captured = capfd.readouterr()  # capfd: the spawned processes' log lines too
     text, logs = captured.out, captured.out + captured.err
     assert "DDP + AdamS" in text and "SCAPE d=0.01" in text and "kB sent per step" in text
@@ -96,6 +101,35 @@ def test_demo_on_a_text_folder_writes_table_csv_and_png(
 
     png = (out / "demo.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+@pytest.mark.dist
+def test_demo_runs_the_int8_wire_by_default(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_SCAPE_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, 30, words=400)
+    dense, scape = demo_command(_short_run(corpus, tmp_path / "out"))
+    text = capfd.readouterr().out
+    assert "SCAPE int8 d=0.025 (after 2 dense warm-up steps" in text and "of the values as 8-bit codes" in text
+    row = next(line for line in text.splitlines() if line.startswith("SCAPE int8 d=0.025 ") and "(" not in line)
+    assert float(row.split()[4]) == pytest.approx(scape["bytes_per_step"] / 1e3, abs=0.05)
+    # A sparse step of the int8 wire: (W-1)/W d N (2 + 8/k + b_i) against DDP's 2 (W-1)/W N 4, about 1/75 here;
+    # its dense steps a quarter of DDP's, the next mask's indices included: no step sends more than DDP.
+    assert dense["bytes_per_step"] / 90 < scape["bytes_per_step"] < dense["bytes_per_step"] / 50
+    assert all(s < d / 3 for s, d in zip(scape["bytes_sent"], dense["bytes_sent"], strict=True))
+    assert "Step 2, SCAPE's last dense step, sends" not in " ".join(text.split())
+    assert 0.0 < scape["val_loss"] < 6.0 and dense["train_losses"][0] == scape["train_losses"][0]
+
+
+def test_both_runs_are_fixed_forms_and_the_baseline_sends_every_step_dense() -> None:
+    # Left to choose its form, the baseline measured the link (its probes added 8.6% to its bytes over the 300
+    # steps) and could have turned sparse on a slow-looking loopback.
+    args = DemoOptions(**vars(demo_parser().parse_args([]))).run_args()
+    dense, scape = method_config(args, "dense"), method_config(args, "scape")
+    assert not dense.chooses_form and not scape.chooses_form
+    assert dense.wire_format == "full" and dense.dense_warmup_steps > args.steps and not dense.sharded
 
 
 def test_speed_note_calls_a_difference_below_half_a_percent_noise_and_signs_the_rest() -> None:
