@@ -6,6 +6,9 @@ decision here is the same on any machine.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -466,3 +469,51 @@ def test_the_form_in_use_is_judged_by_its_last_steps() -> None:
     assert pilot.FormPilot()._step_time(steps) == 0.3
     # The first decision's few steps: all but the settling ones.
     assert pilot.FormPilot()._step_time([5.0, 4.0, 0.1, 0.2, 0.3]) == 0.2
+
+
+class _ShardMean:
+    """The mean over simulated shards of one replica rank, across their threads: what
+    ``fsdp_binding.shard_mean``'s all-reduce over a group's shard group returns to the form pilot."""
+
+    def __init__(self, shards: int) -> None:
+        self.barrier = threading.Barrier(shards, timeout=60)
+        self.slots: dict[int, Tensor] = {}
+
+    def of(self, shard: int) -> Callable[[Tensor], Tensor]:
+        def mean(values: Tensor) -> Tensor:
+            self.slots[shard] = values.clone()
+            self.barrier.wait()
+            total = sum((self.slots[s] for s in sorted(self.slots)), torch.zeros_like(values))
+            self.barrier.wait()  # every shard has read the slots before any writes its next values
+            return total / len(self.slots)
+
+        return mean
+
+
+def _shard_decisions(links: list[Link], agree: bool) -> list[list[tuple[int, str]]]:
+    """The decisions of each rank of 2 shards x 2 replicas (the FSDP form's engines: one per shard, over its
+    replicas), each shard's probes reading its own link; with ``agree``, through the pilot's mean over the shards."""
+    means = [_ShardMean(len(links)) for _ in range(2)]  # one per replica rank
+
+    def shard(index: int) -> list[list[tuple[int, str]]]:
+        def rank(r: int, comm: Communicator) -> list[tuple[int, str]]:
+            form_pilot = GivenLink([links[index]])
+            form_pilot.agree = means[r].of(index) if agree else None
+            return [(d.step, d.chosen.name) for d in _decisions(r, comm, form_pilot, 16)]
+
+        return simulate(2, rank)
+
+    with ThreadPoolExecutor(len(links)) as pool:
+        return [d for ranks in pool.map(shard, range(len(links))) for d in ranks]
+
+
+def test_the_engines_of_all_shards_take_the_same_form_at_the_same_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ScapeFSDPStrategy runs one engine per shard over its own ranks; one whose link read slow and one whose link read
+    # fast would take different forms, and the step waits for the slowest shard. Through `agree` every measurement
+    # and prediction is the shards' mean: one decision for all.
+    monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
+    alone = _shard_decisions([SLOW, FAST], agree=False)
+    assert alone[0] == alone[1] and alone[2] == alone[3] and alone[0] != alone[2]  # each shard for itself
+    agreed = _shard_decisions([SLOW, FAST], agree=True)
+    assert all(d == agreed[0] for d in agreed) and agreed[0][0][1].startswith("int8 d=")
+    assert [s for s, _ in agreed[0]] == [5, 11]

@@ -51,6 +51,7 @@ from lightning_scape import (
 from lightning_scape.comm import Communicator
 from lightning_scape.examples.workloads import free_port
 from lightning_scape.kernels import mask_positions
+from lightning_scape.planning import pilot
 from lightning_scape.pytorch import ScapeFSDPStrategy as TrainerFSDPStrategy
 from lightning_scape.runtime import run_summary
 from lightning_scape.runtime.fsdp import DTENSOR_CPU_INIT_WARNING
@@ -196,6 +197,40 @@ def _sparse_run(outdir: str, name: str) -> None:
         "comm": (type(engine.comm).__name__, engine.comm.rank, engine.comm.world_size),
     }
     save_output(outdir, name, rank(), out)
+
+
+@scenario("fsdp_fabric")
+def defaults_on_shards_that_read_different_links(outdir: str) -> None:
+    """SCAPE chooses the form, each shard's probes reading its own link: 100 kbit/s on shard 0, 1 Tbit/s on shard 1
+    (the step in use predicted from it too, not taken from the loopback's wall-clock)."""
+    bps = 1e5 if rank() % S == 0 else 1e12
+
+    def timed(engine: ScapeEngine, numel: int) -> float:
+        return 32 * numel / bps
+
+    timed_gather, pilot.timed_gather = pilot.timed_gather, timed
+    step_time, pilot.FormPilot._step_time = pilot.FormPilot._step_time, lambda self, samples: None  # type: ignore[method-assign]
+    try:
+        strategy = ScapeFSDPStrategy(shard_size=S, dense_warmup_steps=5, density_ramp_steps=2, chunk_size=64)
+        fabric = launch(strategy)
+        model = fabric.setup_module(tiny_gpt())
+        opt = fabric.setup_optimizers(AdamS(model.parameters(), lr=LR))
+        params = train(fabric, model, opt, range(8))
+    finally:
+        pilot.timed_gather, pilot.FormPilot._step_time = timed_gather, step_time  # type: ignore[method-assign]
+    decisions = [(d.step, d.chosen.name, d.link.bandwidth_bps) for d in strategy.engine.pilot.decisions]
+    save_output(outdir, "shard_links", rank(), {"decisions": decisions, "params": params[-1]})
+
+
+def test_the_shards_take_one_form_from_their_mean_link(fsdp_runs: str) -> None:
+    # Each shard's engine decides over its own ranks; left to themselves, shard 0 would go sparse and shard 1 stay
+    # dense, and every step would wait for the dense one. Their measurements are averaged over the shard group.
+    outs = load_outputs(fsdp_runs, "shard_links", W)
+    (decision,) = outs[0]["decisions"]
+    assert all(out["decisions"] == [decision] for out in outs)
+    assert decision[0] == 5 and " d=" in decision[1]  # sparse, as shard 0 alone would choose; shard 1: fp32 dense
+    assert decision[2] == pytest.approx(2 / (1 / 1e5 + 1 / 1e12), rel=1e-6)  # the shards' mean time: 200 kbit/s
+    assert all(torch.equal(out["params"], outs[0]["params"]) for out in outs)
 
 
 @pytest.mark.parametrize("name", RUNS)

@@ -346,6 +346,21 @@ def replicate_communicator(mesh: Any, grid: ShardGrid, timeout_s: float) -> Comm
     return FaultNamingCommunicator(timeout_s, group=mesh["replicate"].get_group())
 
 
+def shard_mean(mesh: Any, grid: ShardGrid) -> Callable[[Tensor], Tensor] | None:
+    """The mean of a tensor over the shard group, which joins the engines of a group's S shards: the form pilot's
+    ``agree`` (:class:`~lightning_scape.planning.pilot.FormPilot`), so that every shard takes the same form at the
+    same step. None with one shard per group."""
+    if grid.shard_size == 1:
+        return None
+    group = mesh["shard"].get_group()
+
+    def mean(values: Tensor) -> Tensor:
+        dist.all_reduce(values, group=group)
+        return values / grid.shard_size
+
+    return mean
+
+
 def global_clip_norm(engine: ScapeEngine, shard_group: Any, shard_size: int) -> tuple[float, float]:
     """The global L2 norm of the synchronised gradient over all shards, and this shard's.
 

@@ -153,8 +153,9 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
                     "after model = fabric.setup_module(model), from model.parameters()."
                 )
             comm = fsdp_binding.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
+            agree = fsdp_binding.shard_mean(self.device_mesh, self.grid)
             scape, binding = fsdp.build_fsdp_scape_optimizer(
-                optimizer, self.scape_config, module, comm, self.grid, self.scape_run.resume_with_new_config
+                optimizer, self.scape_config, module, comm, self.grid, self.scape_run.resume_with_new_config, agree
             )
         self._bindings.append(binding)
         return self._adopt(scape)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from lightning_scape.config import ScapeConfig, first_decision_step
 from lightning_scape.engine.form_switch import switch_form
@@ -116,9 +117,17 @@ class FormPilot:
     Args:
         on_decision: Called on every rank with each decision (the strategies log it on rank 0); default: logged
             by this module's logger on rank 0.
+        agree: Where other engines must take the same decisions (``ScapeFSDPStrategy``: the engines of the other
+            shards, each over its own ranks), a collective that returns a float64 tensor's mean over those engines,
+            called in the same order on every rank. Every measurement passes through it, so engines of the same
+            layout (FSDP pads every shard to the same size) decide alike, at the same steps. None: this engine's
+            ranks decide alone.
     """
 
-    def __init__(self, on_decision: Callable[[Decision], None] | None = None) -> None:
+    def __init__(
+        self, on_decision: Callable[[Decision], None] | None = None, agree: Callable[[Tensor], Tensor] | None = None
+    ) -> None:
+        self.agree = agree
         self.form: Form = FP32_DENSE
         self.compute_s: dict[Form, float] = {}
         self.decisions: list[Decision] = []  # this process's, with their predictions
@@ -164,7 +173,7 @@ class FormPilot:
         if not due or self.in_ramp(engine) or engine.step_count - (self.last_decision_step or 0) < WATCH_STEPS:
             return False
         recent = self._recent_step(engine)
-        total, share = _mean_over_ranks(engine, [recent or 0.0, 1.0 if recent else 0.0])
+        total, share = self._mean(engine, [recent or 0.0, 1.0 if recent else 0.0])
         if share == 0:
             return False
         step = total / share  # the mean over the ranks that measured steps
@@ -242,7 +251,7 @@ class FormPilot:
         recent = self._recent_step(engine)
         self._samples, self._step_samples = [], []  # the next decision measures the steps after this one
         small, large_numel, large = self._probe_times(engine)
-        compute, step_s, recent_sum, recent_ranks, small, large = _mean_over_ranks(
+        compute, step_s, recent_sum, recent_ranks, small, large = self._mean(
             engine, [compute, math.nan if step is None else step, recent or 0.0, 1.0 if recent else 0.0, small, large]
         )
         link = forms.link_from_probe(PROBE_SMALL_NUMEL, small, large_numel, large, engine.world_size)
@@ -270,10 +279,14 @@ class FormPilot:
         small = timed_gather(engine, PROBE_SMALL_NUMEL)
         numel, most = PROBE_LARGE_NUMEL, max(PROBE_LARGE_NUMEL, PROBE_MAX_OUTPUT // engine.world_size)
         large = timed_gather(engine, numel)
-        while numel * 4 <= most and _mean_over_ranks(engine, [large])[0] < PROBE_MIN_S:
+        while numel * 4 <= most and self._mean(engine, [large])[0] < PROBE_MIN_S:
             numel *= 4
             large = timed_gather(engine, numel)
         return small, numel, large
+
+    def _mean(self, engine: ScapeEngine, values: list[float]) -> list[float]:
+        """The mean of each value over the ranks, and over the engines that must agree."""
+        return _mean_over_ranks(engine, values, self.agree)
 
     def _report(self, engine: ScapeEngine, decision: Decision) -> None:
         if self.on_decision is not None:
@@ -310,11 +323,17 @@ def _device(engine: ScapeEngine) -> torch.device:
     return engine.buckets[0].params.device if engine.buckets else torch.device("cpu")
 
 
-def _mean_over_ranks(engine: ScapeEngine, values: list[float]) -> list[float]:
-    """Every rank's mean of each value (one all-reduce, counted as ``"probe"`` traffic)."""
+def _mean_over_ranks(
+    engine: ScapeEngine, values: list[float], agree: Callable[[Tensor], Tensor] | None = None
+) -> list[float]:
+    """Every rank's mean of each value (one all-reduce, counted as ``"probe"`` traffic), then the mean over the
+    engines that ``agree`` joins (:class:`FormPilot`)."""
     local = torch.tensor(values, dtype=torch.float64, device=_device(engine))
     engine.wire.wait(engine.wire.all_reduce_sum("probe", local))
-    return [float(x) / engine.world_size for x in local.cpu()]
+    local /= engine.world_size
+    if agree is not None:
+        local = agree(local)
+    return [float(x) for x in local.cpu()]
 
 
 def timed_gather(engine: ScapeEngine, numel: int) -> float:

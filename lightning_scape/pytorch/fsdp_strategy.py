@@ -145,6 +145,7 @@ class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
                 comm,
                 self.grid,
                 self.scape_run.resume_with_new_config,
+                fsdp_binding.shard_mean(self.device_mesh, self.grid),
             )
         self._bindings.append(binding)
         self.optimizers = [scape]

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -76,13 +77,14 @@ def build_scape_optimizer(
     return ScapeOptimizer(adams, engine, source=optimizer)
 
 
-def logged_pilot() -> FormPilot:
-    """A form pilot whose decisions rank 0 logs, as it logs the set-up line and the summary."""
+def logged_pilot(agree: Callable[[Tensor], Tensor] | None = None) -> FormPilot:
+    """A form pilot whose decisions rank 0 logs, as it logs the set-up line and the summary (``agree``: the
+    pilot's argument)."""
 
     def log(decision: Decision) -> None:
         rank_zero_info("lightning_scape: " + decision.describe())
 
-    return FormPilot(on_decision=log)
+    return FormPilot(on_decision=log, agree=agree)
 
 
 def close_engines(optimizers: Iterable[ScapeOptimizer], wait: bool) -> None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from torch import nn
+from torch import Tensor, nn
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -38,6 +38,7 @@ def build_fsdp_scape_optimizer(
     communicator: Communicator,
     grid: ShardGrid | None = None,
     resume_with_new_config: bool = False,
+    agree: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[ScapeOptimizer, ShardBinding]:
     """The user's optimizer as a :class:`ScapeOptimizer` whose engine steps this rank's shard across the groups.
 
@@ -49,6 +50,8 @@ def build_fsdp_scape_optimizer(
         grid: The processes' groups; given (the strategies give it), rank 0 logs what SCAPE will do, as
             ``ScapeStrategy`` does (:func:`describe_shard_engine`).
         resume_with_new_config: Let a state saved with other settings load (the engine's argument).
+        agree: The mean over the other shards' engines (:func:`~lightning_scape.engine.fsdp_binding.shard_mean`),
+            through which the engines of all shards choose the same form where SCAPE chooses it.
 
     Returns:
         The optimizer to hand back to Lightning, and the binding (its hooks are removed at teardown).
@@ -65,7 +68,7 @@ def build_fsdp_scape_optimizer(
         communicator,
         param_order=binding.order,
         sync_params=False,
-        form_pilot=logged_pilot(),
+        form_pilot=logged_pilot(agree),
         resume_with_new_config=resume_with_new_config,
     )
     binding.attach(engine)
