@@ -243,6 +243,7 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         self._close_run()
         for binding in self._bindings:
             binding.detach()
+        self._bindings.clear()
         # Lightning's ModelParallelStrategy.teardown ends in its checkpoint_io, which it refuses to have
         # (NotImplementedError): tear down what it holds without it.
         assert self.cluster_environment is not None and self.accelerator is not None
