@@ -510,7 +510,7 @@ def _shard_decisions(links: list[Link], agree: bool) -> list[list[tuple[int, str
 def test_the_engines_of_all_shards_take_the_same_form_at_the_same_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     # ScapeFSDPStrategy runs one engine per shard over its own ranks; one whose link read slow and one whose link read
     # fast would take different forms, and the step waits for the slowest shard. Through `agree` every measurement
-    # and prediction is the shards' mean: one decision for all.
+    # is the shards' mean: one decision for all.
     monkeypatch.setattr(pilot, "RECHECK_STEPS", 6)
     alone = _shard_decisions([SLOW, FAST], agree=False)
     assert alone[0] == alone[1] and alone[2] == alone[3] and alone[0] != alone[2]  # each shard for itself
