@@ -115,7 +115,7 @@ def precision(outdir: str) -> None:
             fabric.backward(torch.nn.functional.mse_loss(model(x), y))
             opt.step()
             opt.zero_grad()
-        fabric.strategy._end_of_run()  # what teardown and the exit hook call
+        fabric.strategy.scape_runtime.end_of_run()  # what teardown and the exit hook call
     out["one_process"] = [str(w.message) for w in caught if issubclass(w.category, OneProcessWarning)]
     out["no_scheduler"] = [str(w.message) for w in caught if "no learning-rate scheduler" in str(w.message)]
     out["dense_warmup"] = [str(w.message) for w in caught if issubclass(w.category, DenseWarmupWarning)]

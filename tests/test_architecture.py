@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Lowest first. A module may import from a lower layer, and from its own folder; never upwards or sideways
-# (the Fabric and the Trainer adapters share code only through runtime/).
+# (the Fabric and the Trainer adapters share code only through runtime/, which stands on Lightning Fabric alone).
 LAYERS: list[set[str]] = [
     {"kernels"},
     {"config", "adams", "warnings"},
@@ -92,8 +92,28 @@ def test_classes_and_functions_stay_readable(part: str, path: Path) -> None:
     assert not too_long, f"{path.relative_to(REPO)}: {too_long}"
 
 
+# The parts that stand on Lightning Fabric alone, as Lightning's own Fabric does: the Trainer's strategies build on
+# them, never the other way round.
+FABRIC_LAYER = {"runtime", "fabric"}
+
+
+def _imports_lightning_pytorch(tree: ast.AST) -> bool:
+    modules = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    return any(m == "lightning.pytorch" or m.startswith("lightning.pytorch.") for m in modules)
+
+
+@pytest.mark.parametrize(
+    "path", [p for part, p in SOURCES if part in FABRIC_LAYER], ids=lambda p: str(p.relative_to(REPO))
+)
+def test_the_runtime_and_the_fabric_strategies_do_not_import_the_trainer(path: Path) -> None:
+    assert not _imports_lightning_pytorch(ast.parse(path.read_text())), f"{path.relative_to(REPO)} imports it"
+
+
 def test_the_checker_sees_a_violation() -> None:
     """The layer rule itself: an engine module importing a strategy is caught."""
     tree = ast.parse("from lightning_scape.fabric import ScapeStrategy\nfrom lightning_scape import kernels\n")
     assert _imported_parts(tree) == {"fabric", "kernels"}
     assert LAYER_OF["fabric"] > LAYER_OF["engine"] > LAYER_OF["kernels"]
+    assert _imports_lightning_pytorch(ast.parse("if True:\n    from lightning.pytorch.core import LightningModule\n"))
+    assert not _imports_lightning_pytorch(ast.parse("import lightning.fabric\nfrom lightning_scape import engine\n"))

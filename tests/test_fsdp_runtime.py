@@ -100,15 +100,15 @@ def test_a_failed_run_says_nothing_at_its_end_and_waits_on_nothing(form: str) ->
         optimizer = Mock(**{"step.side_effect": RuntimeError("a peer died")})
         with pytest.raises(RuntimeError, match="a peer died"):
             strategy.optimizer_step(optimizer)
-        strategy._scape_optimizers.append(Mock(engine=engine))
     else:
         strategy = lightning_scape.pytorch.ScapeFSDPStrategy(shard_size=2)
         strategy.on_exception(RuntimeError("a peer died"))
-        strategy.optimizers = [Mock(spec=lightning_scape.ScapeOptimizer, engine=engine)]
-    assert strategy._failed
-    strategy._log_run_summary = Mock()  # type: ignore[method-assign]
-    strategy._end_of_run()
-    strategy._log_run_summary.assert_not_called()
+    runtime = strategy.scape_runtime
+    runtime._optimizers.append(Mock(spec=lightning_scape.ScapeOptimizer, engine=engine))
+    assert runtime.failed
+    runtime.log_run_summary = Mock()  # type: ignore[method-assign]
+    runtime.end_of_run()
+    runtime.log_run_summary.assert_not_called()
 
 
 def test_load_raw_takes_a_single_file_and_no_optimizer_as_lightnings_model_parallel_strategy(tmp_path: Path) -> None:
@@ -122,3 +122,20 @@ def test_load_raw_takes_a_single_file_and_no_optimizer_as_lightnings_model_paral
     unsupported = "Loading a single optimizer object from a checkpoint is not supported"
     with pytest.raises(NotImplementedError, match=unsupported):
         strategy.load_checkpoint(path=tmp_path, state=Mock(spec=torch.optim.Optimizer))
+
+
+@pytest.mark.parametrize("form", ["ddp", "fsdp"])
+def test_both_trainer_forms_refuse_a_fit_without_an_optimizer(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``configure_optimizers`` returning None (Lightning's ``_MockOptimizer``): what to return instead, from both
+    Trainer forms (the FSDP form failed in the AdamW conversion, naming the mock)."""
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+    from lightning.pytorch.strategies.strategy import Strategy
+
+    def lightning_set_up(strategy: Strategy, trainer: object) -> None:
+        strategy.optimizers = [_MockOptimizer()]
+
+    monkeypatch.setattr(Strategy, "setup_optimizers", lightning_set_up)
+    cls = lightning_scape.pytorch.ScapeStrategy if form == "ddp" else lightning_scape.pytorch.ScapeFSDPStrategy
+    strategy = cls()
+    with pytest.raises(ValueError, match=f"configure_optimizers returned None, but {cls.__name__} steps the optimizer"):
+        strategy.setup_optimizers(Mock())

@@ -129,11 +129,13 @@ def accumulation_and_clipping(outdir: str) -> None:
         fabric.backward(lm_loss(model, tokens(rank(), 0, 0)) / 2)
     sent_while_accumulating = dict(engine.counters.total_sent)
     fabric.backward(lm_loss(model, tokens(rank(), 0, 1)) / 2)
+    asked = float(fabric.strategy.global_grad_norm())
     norm = float(fabric.clip_gradients(model, opt, max_norm=0.2))
     opt.step()
     opt.zero_grad()
     params = [full_params(model), *train(fabric, model, opt, range(1, 3), accumulate=2, max_norm=0.2)]
-    out = {"params": params, "norm": norm, "before": sent_before, "accumulating": sent_while_accumulating}
+    out = {"params": params, "norm": norm, "asked": asked}
+    out |= {"before": sent_before, "accumulating": sent_while_accumulating}
     save_output(outdir, "accumulation", rank(), out)
 
 
@@ -147,6 +149,7 @@ def test_accumulation_sends_nothing_and_clipping_uses_the_global_norm(fsdp_runs:
     for out in load_outputs(fsdp_runs, "accumulation", W):
         assert out["accumulating"] == out["before"]
         assert abs(out["norm"] - float(global_norm)) < 1e-5 * float(global_norm)
+        assert abs(out["asked"] - float(global_norm)) < 1e-5 * float(global_norm)  # strategy.global_grad_norm()
         assert float(global_norm) > 0.2  # clipping was active
         for step, got in enumerate(out["params"]):
             assert rel_err(got, ref[step]) < 1e-5, (step, rel_err(got, ref[step]))
@@ -485,7 +488,7 @@ def the_docs_fabric_example(outdir: str) -> None:
             with contextlib.redirect_stdout(printed):
                 namespace: dict[str, Any] = {"__name__": "__main__"}
                 exec(compile(code, "train_fsdp.py", "exec"), namespace)
-            namespace["fabric"].strategy._end_of_run()  # what its exit hook does
+            namespace["fabric"].strategy.scape_runtime.end_of_run()  # what its exit hook does
     finally:
         os.chdir(here)
     out = {

@@ -98,8 +98,11 @@ def fabric_for(form: str, config: dict[str, Any], **options: Any) -> Fabric:
     return fabric
 
 
-def fabric_steps(fabric: Fabric, model: Any, opt: Any, steps: range, totals: list[int], dense: bool) -> None:
-    """Steps over this rank's batches; after every backward, what the engine has sent so far (``totals``)."""
+def fabric_steps(
+    fabric: Fabric, model: Any, opt: Any, steps: range, totals: list[int], dense: bool, norms: list[float] | None = None
+) -> None:
+    """Steps over this rank's batches; after every backward, what the engine has sent so far (``totals``); before
+    each dense step's clipping, ``strategy.global_grad_norm()`` (``norms``)."""
     engine: ScapeEngine = fabric.strategy.engine
     accumulate = ACCUMULATE if dense else 1
     for step in steps:
@@ -108,6 +111,8 @@ def fabric_steps(fabric: Fabric, model: Any, opt: Any, steps: range, totals: lis
                 fabric.backward(lm_loss(model, tokens(fabric.global_rank, step, micro)) / accumulate)
             totals.append(engine.counters.total_sent_bytes)
         if dense:
+            if norms is not None:
+                norms.append(float(fabric.strategy.global_grad_norm()))
             fabric.clip_gradients(model, opt, max_norm=MAX_NORM)
         opt.step()
         opt.zero_grad()
@@ -123,9 +128,10 @@ def fabric_dense(form: str, told: Told) -> dict[str, Any]:
     fabric = fabric_for(form, DENSE)
     model, opt = told(lambda: fabric_set_up(fabric))
     totals: list[int] = []
-    told(lambda: fabric_steps(fabric, model, opt, range(DENSE_STEPS), totals, dense=True))
+    norms: list[float] = []
+    told(lambda: fabric_steps(fabric, model, opt, range(DENSE_STEPS), totals, dense=True, norms=norms))
     told(fabric.strategy.teardown)
-    return {"params": full_params(model), "totals": totals}
+    return {"params": full_params(model), "totals": totals, "norms": norms}
 
 
 def fabric_sparse(form: str, outdir: str) -> dict[str, Any]:
@@ -175,6 +181,7 @@ class Recorded(L.Callback):
 
     def __init__(self) -> None:
         self.totals: list[int] = []
+        self.norms: list[float] = []
         self.params = torch.empty(0)
 
     def _sent(self, trainer: L.Trainer) -> None:
@@ -182,6 +189,9 @@ class Recorded(L.Callback):
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._sent(trainer)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.norms.append(float(trainer.strategy.global_grad_norm()))  # before the clipping
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if trainer.fit_loop.epoch_loop._accumulated_batches_reached():
@@ -219,7 +229,7 @@ def trainer_dense(form: str, told: Told) -> dict[str, Any]:
             gradient_clip_val=MAX_NORM,
         )
     )
-    return {"params": recorded.params, "totals": recorded.totals}
+    return {"params": recorded.params, "totals": recorded.totals, "norms": recorded.norms}
 
 
 def trainer_sparse(form: str, outdir: str) -> dict[str, Any]:
@@ -339,6 +349,19 @@ def test_accumulation_and_clipping_reproduce_data_parallel_adams(lifecycle_runs:
     ref = reference_adams(W, DENSE_STEPS, ACCUMULATE, MAX_NORM)[-1]
     for out in load_outputs(lifecycle_runs, form, W):
         assert rel_err(out["dense"]["params"], ref) < 1e-5, rel_err(out["dense"]["params"], ref)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_strategy_gives_the_global_norm_of_the_synchronised_gradient(lifecycle_runs: str, form: str) -> None:
+    """``strategy.global_grad_norm()`` before each step's clipping: data-parallel AdamS's norm of the averaged
+    gradient, on every rank (``param.grad`` holds each rank's own)."""
+    norms: list[float] = []
+    reference_adams(W, DENSE_STEPS, ACCUMULATE, MAX_NORM, norms)
+    assert min(norms) > MAX_NORM  # the clipping was active
+    for out in load_outputs(lifecycle_runs, form, W):
+        assert len(out["dense"]["norms"]) == DENSE_STEPS
+        for got, want in zip(out["dense"]["norms"], norms, strict=True):
+            assert abs(got - want) < 1e-5 * want, (out["dense"]["norms"], norms)
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -14,6 +14,9 @@ from helpers import make_net, rank_zero_messages
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
 from lightning_scape.runtime import run_summary
+from lightning_scape.runtime.options import RunSettings
+from lightning_scape.runtime.parameter_holding import ReplicatedParameters
+from lightning_scape.runtime.scape_runtime import ScapeRuntime
 
 
 def _run(config: ScapeConfig, steps: int, world_size: int = 2) -> tuple[ScapeEngine, list[dict[str, Any]]]:
@@ -94,32 +97,29 @@ def test_the_summary_states_the_bytes_and_the_waiting_the_engine_counted() -> No
     assert "communication: none: one replica" in run_summary.summary_text([solo])
 
 
-class _Strategy(run_summary.RunSummary):
-    """What a strategy gives the summary: its SCAPE optimizers."""
-
-    def __init__(self, engines: list[ScapeEngine]) -> None:
-        self.engines = engines
-
-    @property
-    def scape_optimizers(self) -> list[Any]:
-        return [types.SimpleNamespace(engine=engine) for engine in self.engines]
+def _runtime(engines: list[ScapeEngine]) -> ScapeRuntime:
+    """A strategy's runtime whose SCAPE optimizers hold ``engines`` (what the summary reads of them)."""
+    holding = ReplicatedParameters(types.SimpleNamespace(world_size=2))
+    runtime = ScapeRuntime("ScapeStrategy", ScapeConfig(), RunSettings.of(None, False), holding)
+    runtime._optimizers += [types.SimpleNamespace(engine=engine) for engine in engines]  # type: ignore[misc]
+    return runtime
 
 
 def test_a_strategy_sums_a_run_up_once_and_only_a_run_that_stepped() -> None:
     engine, _ = _run(CONFIGS["no ramp"], 4)
     idle = ScapeEngine(AdamS(make_net(0).parameters(), lr=1e-3), ScapeConfig(), sync_params=False)
-    strategy = _Strategy([idle])
+    strategy = _runtime([idle])
     with rank_zero_messages() as logged:
-        strategy._log_run_summary()  # set up, never stepped: nothing to sum up
-        strategy.engines.append(engine)
-        strategy._log_run_summary()
-        strategy._log_run_summary()  # teardown and the exit hook both call it
+        strategy.log_run_summary()  # set up, never stepped: nothing to sum up
+        strategy._optimizers.append(types.SimpleNamespace(engine=engine))  # type: ignore[arg-type]
+        strategy.log_run_summary()
+        strategy.log_run_summary()  # teardown and the exit hook both call it
     assert logged == [run_summary.summary_text([engine])]
     assert strategy.run_summary() == run_summary.summary_text([idle, engine])
-    off = _Strategy([engine])
-    off.log_run_summary = False  # lightning-scape pretrain prints the lines in its own summary
+    off = _runtime([engine])
+    off.log_summary = False  # lightning-scape pretrain prints the lines in its own summary
     with rank_zero_messages() as logged:
-        off._log_run_summary()
+        off.log_run_summary()
     assert logged == []
     assert "HSDP would have sent" in run_summary.summary_text([engine], baseline="HSDP")
     idle.close()

@@ -153,8 +153,8 @@ def end_of_run(fabric: Fabric) -> dict[str, list[str]]:
     warm-up warnings, its summaries, and what ``strategy.run_summary()`` returns."""
     with warnings.catch_warnings(record=True) as caught, rank_zero_messages() as logged:
         warnings.simplefilter("always")  # the children run with PYTHONWARNINGS=ignore
-        fabric.strategy._end_of_run()
-        fabric.strategy._end_of_run()
+        fabric.strategy.scape_runtime.end_of_run()
+        fabric.strategy.scape_runtime.end_of_run()
     return {
         "warmup_warnings": [str(w.message) for w in caught if "dense_warmup_steps" in str(w.message)],
         "summaries": [m for m in logged if m.startswith(run_summary.HEADING)],

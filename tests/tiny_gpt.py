@@ -82,9 +82,12 @@ class RankBatches(torch.utils.data.Dataset[Tensor]):
         return tokens(self.rank, k // self.accumulate, k % self.accumulate)
 
 
-def reference_adams(world_size: int, steps: int, accumulate: int = 1, max_norm: float | None = None) -> list[Tensor]:
+def reference_adams(
+    world_size: int, steps: int, accumulate: int = 1, max_norm: float | None = None, norms: list[float] | None = None
+) -> list[Tensor]:
     """Data-parallel AdamS over ``world_size`` ranks' batches in one process, the gradient clipped to global norm
-    ``max_norm`` (None: not clipped): the parameters (fp64) after each step."""
+    ``max_norm`` (None: not clipped): the parameters (fp64) after each step; ``norms`` (when given) receives each
+    step's global gradient norm before clipping."""
     model = tiny_gpt()
     opt = AdamS(model.parameters(), lr=LR)
     out = []
@@ -98,6 +101,8 @@ def reference_adams(world_size: int, steps: int, accumulate: int = 1, max_norm: 
                     g += p.grad / (world_size * accumulate)
         for g, p in zip(grads, model.parameters(), strict=True):
             p.grad = g
+        if norms is not None:
+            norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.types import _PATH, Optimizable, _Stateful
+from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
@@ -25,16 +24,18 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.engine import fsdp_binding
-from lightning_scape.fabric.set_up_objects import SetUpObjects
-from lightning_scape.runtime import fsdp, fsdp_checkpoint, registry, setup_checks
+from lightning_scape.fabric.runtime_hooks import FabricRuntimeHooks
+from lightning_scape.runtime import fsdp, fsdp_checkpoint, setup_checks
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.runtime.parameter_holding import ShardedParameters
+from lightning_scape.runtime.scape_runtime import ScapeRuntime
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
+class ScapeFSDPStrategy(FabricRuntimeHooks, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Fabric(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     Create the optimizer after ``fabric.setup_module(model)``, as with every FSDP2 strategy. The groups, what is
@@ -54,9 +55,6 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         **options: Any :class:`~lightning_scape.ScapeConfig` field.
     """
 
-    _setup_call = "fabric.setup_optimizers(optimizer)"
-    _summary_baseline = "HSDP"  # its engines send each rank's shard across the groups
-
     __doc__ = (__doc__ or "") + strategy_options_doc()
 
     def __init__(
@@ -70,33 +68,35 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         **options: Unpack[ScapeOptions],
     ) -> None:
         fsdp_binding.require_checked_torch()
-        self.scape_config = resolve_config(config, options)
-        self.scape_run = RunSettings.of(timeout, resume_with_new_config)
+        settings = RunSettings.of(timeout, resume_with_new_config)
+        before_launch = "The shard grid is known once Fabric has launched the processes (fabric.launch())."
+        self._holding = ShardedParameters(before_launch)
+        self.scape_runtime = ScapeRuntime(
+            type(self).__name__,
+            resolve_config(config, options),
+            settings,
+            self._holding,
+            "fabric.setup_optimizers(optimizer)",
+        )
         super().__init__(
             parallelize_fn=self._parallelize,
             process_group_backend=process_group_backend,
-            timeout=self.scape_run.process_group_timeout,
+            timeout=settings.process_group_timeout,
         )
         self._shard_size = shard_size
         self._wrap_policy = auto_wrap_policy
-        self._grid: fsdp_binding.ShardGrid | None = None
-        self._start_set_up_objects()
-        self._bindings: list[fsdp_binding.ShardBinding] = []
-        self._failed = False
 
     @property
     def grid(self) -> fsdp_binding.ShardGrid:
         """The processes as groups of ``shard_size`` (known once the processes are set up)."""
-        if self._grid is None:
-            raise RuntimeError("The shard grid is known once Fabric has launched the processes (fabric.launch()).")
-        return self._grid
+        return self._holding.grid
 
     @property
     def binding(self) -> fsdp_binding.ShardBinding:
         """How the most recently set-up optimizer's engine holds FSDP's shards."""
-        if not self._bindings:
+        if not self._holding.bindings:
             raise RuntimeError("No optimizer was set up yet: call fabric.setup_optimizers(optimizer) first.")
-        return self._bindings[-1]
+        return self._holding.bindings[-1]
 
     @property
     @override
@@ -109,8 +109,9 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
         """Start the processes, then the ``("replicate", "shard")`` mesh."""
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self._grid = fsdp_binding.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
-        self._device_mesh = fsdp_binding.build_mesh(self.root_device.type, self._grid)
+        grid = fsdp_binding.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
+        self._device_mesh = fsdp_binding.build_mesh(self.root_device.type, grid)
+        self._holding.place(grid, self._device_mesh)
 
     def _parallelize(self, module: Module, mesh: Any) -> Module:
         with rank_failures.agreed("Sharding the model for ScapeFSDPStrategy"):  # reported once, by rank 0
@@ -128,7 +129,7 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
             _materialize_distributed_module(module, self.root_device)
         grid = self.grid
         fsdp_binding.sync_replicas(module, self.device_mesh["replicate"].get_group(), replicate_src=grid.shard_index)
-        self._scape_modules.append(module)
+        self.scape_runtime.add_module(module)
         return module
 
     @override
@@ -145,37 +146,11 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Build the SCAPE engine for ``optimizer`` on this rank's shard, across the groups."""
+        runtime = self.scape_runtime
         with rank_failures.agreed("Setting up the optimizer for ScapeFSDPStrategy"):  # reported once, by rank 0
-            module = self._module_of(optimizer)
-            if module is None:
-                raise ValueError(
-                    "ScapeFSDPStrategy found no set-up model whose parameters this optimizer holds. Create it "
-                    "after model = fabric.setup_module(model), from model.parameters()."
-                )
-            comm = fsdp_binding.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
-            agree = fsdp_binding.shard_mean(self.device_mesh, self.grid)
-            scape, binding = fsdp.build_fsdp_scape_optimizer(
-                optimizer, self.scape_config, module, comm, self.grid, self.scape_run.resume_with_new_config, agree
-            )
-        self._bindings.append(binding)
-        return self._adopt(scape)
-
-    @override
-    def _scape_ranks(self) -> int | None:
-        return self._grid.replicas if self._grid is not None else None  # SCAPE runs across the groups
+            return runtime.set_up(optimizer, runtime.module_of(optimizer))
 
     # ----------------------------------------------------------------------------------------- a step
-
-    @override
-    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """The SCAPE step; a failure is remembered, so that teardown waits on no collective that cannot finish."""
-        with self._failure_remembered():
-            return super().optimizer_step(optimizer, **kwargs)
-
-    @override
-    def _request_global_clip(self, opt: ScapeOptimizer, max_norm: float) -> float:
-        shard_group = self.device_mesh["shard"].get_group()  # the norm sums over this group's shards
-        return fsdp.request_global_clip(opt, max_norm, shard_group, self.grid.shard_size)
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -240,22 +215,13 @@ class ScapeFSDPStrategy(SetUpObjects, ModelParallelStrategy):
     def teardown(self) -> None:
         """Remove the engines' hooks (without waiting on collectives when a rank failed) and the bindings', stop the
         heartbeat, log the run's summary."""
-        self._close_run()
-        for binding in self._bindings:
-            binding.detach()
-        self._bindings.clear()
+        self.scape_runtime.close()
         # Lightning's ModelParallelStrategy.teardown ends in its checkpoint_io, which it refuses to have
         # (NotImplementedError): tear down what it holds without it.
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision.teardown()
         self.accelerator.teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """``"scape_fsdp"`` (processes started like ``"fsdp"``)."""
-        registry.register_strategies(cls, strategy_registry)
 
 
 def _split_state(

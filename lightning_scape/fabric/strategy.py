@@ -19,32 +19,26 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.types import _PATH, Optimizable
-from torch import Tensor
+from lightning.fabric.utilities.types import _PATH
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
 
 from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
-from lightning_scape.fabric.set_up_objects import SetUpObjects
-from lightning_scape.runtime import (
-    checkpoint_protocol,
-    engine_setup,
-    loss_scaling,
-    registry,
-    setup_checks,
-)
+from lightning_scape.fabric.runtime_hooks import FabricRuntimeHooks
+from lightning_scape.runtime import checkpoint_protocol, engine_setup, loss_scaling, setup_checks
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.runtime.parameter_holding import ReplicatedParameters
+from lightning_scape.runtime.scape_runtime import ScapeRuntime
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import _LRScheduler
 
 
-class ScapeStrategy(SetUpObjects, DDPStrategy):
+class ScapeStrategy(FabricRuntimeHooks, DDPStrategy):
     """SCAPE sparse data parallelism for Fabric: ``Fabric(strategy=ScapeStrategy(density=0.01))``.
 
     Processes and clusters as in Lightning's ``DDPStrategy``; gradients travel through the SCAPE engine, and the
@@ -83,8 +77,11 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
-        self.scape_config = resolve_config(config, options)
-        self.scape_run = RunSettings.of(timeout, resume_with_new_config)
+        settings = RunSettings.of(timeout, resume_with_new_config)
+        holding = ReplicatedParameters(self)
+        self.scape_runtime = ScapeRuntime(
+            type(self).__name__, resolve_config(config, options), settings, holding, "fabric.setup(model, optimizer)"
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -92,12 +89,10 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=self.scape_run.process_group_timeout,
+            timeout=settings.process_group_timeout,
             start_method=start_method,
         )
         self._backward_sync_control = _ScapeBackwardSyncControl(self)
-        self._start_set_up_objects()
-        self._failed = False
         self._checkpoint_world_size: int | None = None
 
     @property
@@ -126,48 +121,20 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
         """Give every rank rank 0's parameters and buffers; the module is not wrapped."""
         with rank_failures.agreed("Setting up ScapeStrategy"):  # an error on any rank: reported once, by rank 0
             setup_checks.refuse_low_precision(self.precision)
-        if not self._scape_modules:
+        if not self.scape_runtime.modules:
             setup_checks.warn_if_one_process(self.world_size, "Fabric")
         engine_setup.broadcast_module_states(module)
-        self._scape_modules.append(module)
+        self.scape_runtime.add_module(module)
         return module
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Build the SCAPE engine for ``optimizer`` (its parameters become views of flat buffers)."""
-        module = self._module_of(optimizer)
-        scaler = loss_scaling.grad_scaler_of(self.precision)
+        runtime = self.scape_runtime
         with rank_failures.agreed("Setting up the optimizer for ScapeStrategy"):
-            scape = engine_setup.build_scape_optimizer(optimizer, self.scape_config, module, scaler, self.scape_run)
-        return self._adopt(scape)
+            return runtime.set_up(optimizer, runtime.module_of(optimizer), loss_scaling.grad_scaler_of(self.precision))
 
     # ----------------------------------------------------------------------------------------- a step
-
-    @override
-    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """The SCAPE step; with fp16 loss scaling the ``GradScaler`` learns whether it was skipped."""
-        opt = unwrap_optimizer(optimizer)
-        scaler = loss_scaling.grad_scaler_of(self.precision)
-        with self._failure_remembered():
-            if scaler is None or not isinstance(opt, ScapeOptimizer):
-                return super().optimizer_step(optimizer, **kwargs)
-            out = opt.step(**kwargs)
-        loss_scaling.report_step_to_scaler(scaler, opt)
-        return out
-
-    @override
-    def _request_global_clip(self, opt: ScapeOptimizer, max_norm: float) -> float:
-        norm = opt.engine.global_grad_norm()  # this rank's engine holds the whole gradient
-        opt.request_clip(max_norm=max_norm)
-        return norm
-
-    def global_grad_norm(self) -> Tensor:
-        """The global L2 norm of this step's synchronised gradient; call it after backward, before the step.
-
-        What DDP users compute from ``param.grad``, which here holds this rank's own gradient
-        (``docs/lightning.md``). It finishes the step's synchronisation early, at no cost when the step follows.
-        """
-        return torch.tensor(self.engine.global_grad_norm(), device=self.root_device)
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -242,25 +209,6 @@ class ScapeStrategy(SetUpObjects, DDPStrategy):
             state, checkpoint, [k for k, v in state.items() if k not in scape and not isinstance(v, Module)]
         )
         return checkpoint
-
-    # -------------------------------------------------------------------------------------- lifecycle
-
-    @override
-    def teardown(self) -> None:
-        """Remove the engines' hooks (without waiting on collectives when a rank failed), stop the heartbeat, log the
-        run's summary."""
-        self._close_run()
-        super().teardown()
-
-    @override
-    def _scape_ranks(self) -> int | None:
-        return self.world_size
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
-        registry.register_strategies(cls, strategy_registry)
 
 
 class _ScapeBackwardSyncControl(_BackwardSyncControl):

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import StrategyRegistry
@@ -28,13 +27,15 @@ from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.engine import fsdp_binding
 from lightning_scape.pytorch import clipping
-from lightning_scape.pytorch.fit_objects import FitObjects, state_key
-from lightning_scape.runtime import fsdp, fsdp_checkpoint, registry, setup_checks
+from lightning_scape.pytorch.runtime_hooks import TrainerRuntimeHooks, state_key
+from lightning_scape.runtime import fsdp, fsdp_checkpoint
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.runtime.parameter_holding import ShardedParameters
+from lightning_scape.runtime.scape_runtime import ScapeRuntime
 
 
-class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
+class ScapeFSDPStrategy(TrainerRuntimeHooks, ModelParallelStrategy):
     """SCAPE across groups of processes, FSDP2 inside each: ``Trainer(strategy=ScapeFSDPStrategy(density=0.01))``.
 
     Also ``Trainer(strategy="scape_fsdp")``; ``configure_model`` may build the model but must not shard it. The
@@ -53,7 +54,6 @@ class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
     """
 
     __doc__ = (__doc__ or "") + strategy_options_doc()
-    _summary_baseline = "HSDP"  # its engines send each rank's shard across the groups
 
     def __init__(
         self,
@@ -66,21 +66,17 @@ class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
         **options: Unpack[ScapeOptions],
     ) -> None:
         fsdp_binding.require_checked_torch()
-        self.scape_config = resolve_config(config, options)
-        self.scape_run = RunSettings.of(timeout, resume_with_new_config)
-        super().__init__(process_group_backend=process_group_backend, timeout=self.scape_run.process_group_timeout)
+        settings = RunSettings.of(timeout, resume_with_new_config)
+        self._holding = ShardedParameters("The shard grid is known once the Trainer has set up the processes.")
+        self.scape_runtime = ScapeRuntime(type(self).__name__, resolve_config(config, options), settings, self._holding)
+        super().__init__(process_group_backend=process_group_backend, timeout=settings.process_group_timeout)
         self._shard_size = shard_size
         self._wrap_policy = auto_wrap_policy
-        self._grid: fsdp_binding.ShardGrid | None = None
-        self._bindings: list[fsdp_binding.ShardBinding] = []
-        self._failed = False
 
     @property
     def grid(self) -> fsdp_binding.ShardGrid:
         """The processes as groups of ``shard_size`` (known once the processes are set up)."""
-        if self._grid is None:
-            raise RuntimeError("The shard grid is known once the Trainer has set up the processes.")
-        return self._grid
+        return self._holding.grid
 
     @property
     @override
@@ -93,8 +89,9 @@ class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
         """Start the processes, then the ``("replicate", "shard")`` mesh (``LightningModule.device_mesh``)."""
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self._grid = fsdp_binding.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
-        self._device_mesh = fsdp_binding.build_mesh(self.root_device.type, self._grid)
+        grid = fsdp_binding.shard_grid(self.world_size, self._shard_size, self.num_processes, self.global_rank)
+        self._device_mesh = fsdp_binding.build_mesh(self.root_device.type, grid)
+        self._holding.place(grid, self._device_mesh)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -107,7 +104,6 @@ class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
 
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self._failed = False
         if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
             with rank_failures.agreed("Sharding the model for ScapeFSDPStrategy"):
                 shard_mesh = self.device_mesh["shard"]
@@ -118,39 +114,13 @@ class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
             fsdp_binding.sync_replicas(self.model, replicate, replicate_src=self.grid.shard_index)
         self.model = self.precision_plugin.convert_module(self.model)
         self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.scape_runtime.start_fit()
             self.setup_optimizers(trainer)
-            self._start_run_notices()  # a new fit may be told again (on_train_start), and is summed up at its end
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            shard_group, shard_size = self.device_mesh["shard"].get_group(), self.grid.shard_size
-            clipping.redirect(  # by the global norm over all shards, or by value
-                self.precision_plugin,
-                "ScapeFSDPStrategy",
-                lambda opt, max_norm: fsdp.request_global_clip(opt, max_norm, shard_group, shard_size),
-            )
-
-    @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """Create the user's optimizer and schedulers, then hand the optimizer to a SCAPE engine on this shard."""
-        with rank_failures.agreed("Setting up the optimizer for ScapeFSDPStrategy"):  # reported once, by rank 0
-            super().setup_optimizers(trainer)
-            setup_checks.the_one_optimizer("ScapeFSDPStrategy", self.optimizers, "configure_optimizers returned")
-            assert self.model is not None
-            comm = fsdp_binding.replicate_communicator(self.device_mesh, self.grid, self.scape_run.timeout_s)
-            scape, binding = fsdp.build_fsdp_scape_optimizer(
-                self.optimizers[0],
-                self.scape_config,
-                self.model,
-                comm,
-                self.grid,
-                self.scape_run.resume_with_new_config,
-                fsdp_binding.shard_mean(self.device_mesh, self.grid),
-            )
-        self._bindings.append(binding)
-        self.optimizers = [scape]
-        if not self.lr_scheduler_configs:  # a constant rate, known before the first step
-            scape.tell_no_lr_scheduler()
+        if fitting:
+            clipping.redirect(self.precision_plugin, self.scape_runtime)  # by the norm over all shards, or by value
 
     # ----------------------------------------------------------------------------------------- a step
 
@@ -208,28 +178,6 @@ class ScapeFSDPStrategy(FitObjects, ModelParallelStrategy):
         checked = fsdp_checkpoint.read_and_check(folder, self.grid, modules, opts, self.lightning_module.strict_loading)
         fsdp_checkpoint.load(checked, modules, opts)
         return dict(checked.meta["metadata"])
-
-    # -------------------------------------------------------------------------------------- lifecycle
-
-    @override
-    def _scape_ranks(self) -> int | None:
-        return self._grid.replicas if self._grid is not None else None  # SCAPE runs across the groups
-
-    @override
-    def teardown(self) -> None:
-        """Remove the engines' hooks (without waiting on collectives after a failure), log the fit's summary, remove
-        the bindings' hooks and the clipping redirect."""
-        self._end_fit()
-        for binding in self._bindings:
-            binding.detach()
-        self._bindings.clear()
-        super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """``"scape_fsdp"``."""
-        registry.register_strategies(cls, strategy_registry)
 
 
 ScapeFSDPStrategy.register_strategies(StrategyRegistry)

@@ -7,7 +7,7 @@ shares with the Fabric's (``lightning_scape/fabric/strategy.py``) lives in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -15,14 +15,11 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.ddp import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import Unpack, override
@@ -30,20 +27,15 @@ from typing_extensions import Unpack, override
 from lightning_scape.comm import rank_failures
 from lightning_scape.config import ScapeConfig, ScapeOptions
 from lightning_scape.pytorch import clipping
-from lightning_scape.pytorch.fit_objects import FitObjects, state_key
-from lightning_scape.runtime import (
-    checkpoint_protocol,
-    engine_setup,
-    local_grads,
-    loss_scaling,
-    registry,
-    setup_checks,
-)
+from lightning_scape.pytorch.runtime_hooks import TrainerRuntimeHooks, state_key
+from lightning_scape.runtime import checkpoint_protocol, engine_setup, setup_checks
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings, resolve_config, strategy_options_doc
+from lightning_scape.runtime.parameter_holding import ReplicatedParameters
+from lightning_scape.runtime.scape_runtime import ScapeRuntime
 
 
-class ScapeStrategy(FitObjects, DDPStrategy):
+class ScapeStrategy(TrainerRuntimeHooks, DDPStrategy):
     """SCAPE sparse data parallelism for the Trainer: ``Trainer(strategy=ScapeStrategy(density=0.01))`` or ``"scape"``.
 
     Processes and clusters as in Lightning's ``DDPStrategy``; gradients travel through the SCAPE engine, and
@@ -82,8 +74,9 @@ class ScapeStrategy(FitObjects, DDPStrategy):
         config: ScapeConfig | None = None,
         **options: Unpack[ScapeOptions],
     ) -> None:
-        self.scape_config = resolve_config(config, options)
-        self.scape_run = RunSettings.of(timeout, resume_with_new_config)
+        settings = RunSettings.of(timeout, resume_with_new_config)
+        holding = ReplicatedParameters(self)
+        self.scape_runtime = ScapeRuntime(type(self).__name__, resolve_config(config, options), settings, holding)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -91,12 +84,10 @@ class ScapeStrategy(FitObjects, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=self.scape_run.process_group_timeout,
+            timeout=settings.process_group_timeout,
             start_method=start_method,
         )
-        self._failed = False
         self._pending_states: checkpoint_protocol.PendingStates | None = None  # read before set-up, loaded after
-        self._grad_norm_notice = local_grads.LocalGradNormNotice()
 
     # ------------------------------------------------------------------------------------------ set-up
 
@@ -106,7 +97,6 @@ class ScapeStrategy(FitObjects, DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         assert self.model is not None
-        self._failed = False
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
@@ -116,57 +106,14 @@ class ScapeStrategy(FitObjects, DDPStrategy):
         self.model_to_device()
         engine_setup.broadcast_module_states(self.model)
         if fitting:
-            with rank_failures.agreed("Setting up the optimizer for ScapeStrategy"):
-                self.setup_optimizers(trainer)
+            self.scape_runtime.start_fit()
+            self.setup_optimizers(trainer)
             setup_checks.warn_if_one_process(self.world_size, "Trainer")
         self.setup_precision_plugin()
         if fitting:
-            clipping.redirect(self.precision_plugin, "ScapeStrategy")
-            self._start_run_notices()  # a new fit may be told again (on_train_start), and is summed up at its end
-
-    @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """Create the user's optimizer and schedulers, then hand the optimizer to a SCAPE engine."""
-        super().setup_optimizers(trainer)
-        if any(isinstance(opt, _MockOptimizer) for opt in self.optimizers):  # what Lightning puts in for None
-            raise ValueError(
-                "configure_optimizers returned None, but ScapeStrategy steps the optimizer itself (a fit without an "
-                "optimizer has nothing to synchronise gradients for). Return lightning_scape.AdamS(self.parameters(), "
-                "lr=...), or a torch.optim.AdamW / Adam, from configure_optimizers."
-            )
-        setup_checks.the_one_optimizer("ScapeStrategy", self.optimizers, "configure_optimizers returned")
-        assert self.model is not None
-        scaler = loss_scaling.grad_scaler_of(self.precision_plugin)
-        scape = engine_setup.build_scape_optimizer(
-            self.optimizers[0], self.scape_config, self.model, scaler, self.scape_run
-        )
-        self.optimizers = [scape]
-        if not self.lr_scheduler_configs:  # a constant rate, known before the first step
-            scape.tell_no_lr_scheduler()
-
-    @override
-    def _scape_ranks(self) -> int | None:
-        return self.world_size
+            clipping.redirect(self.precision_plugin, self.scape_runtime)
 
     # ----------------------------------------------------------------------------------------- a step
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Warn once if the metrics logged so far hold Lightning's ``grad_norm`` of ``param.grad`` (local values)."""
-        super().on_train_batch_start(batch, batch_idx)
-        module = self.lightning_module
-        results = None if module is None else module.trainer._results
-        if results is not None and not self._grad_norm_notice.given:
-            self._grad_norm_notice.check(results.keys())
-
-    def global_grad_norm(self) -> Tensor:
-        """The global L2 norm of this step's synchronised gradient; call it after backward, before the step (in
-        ``on_before_optimizer_step``, say).
-
-        What DDP users compute from ``param.grad``, which here holds this rank's own gradient
-        (``docs/lightning.md``). It finishes the step's synchronisation early, at no cost when the step follows.
-        """
-        return torch.tensor(self.engine.global_grad_norm(), device=self.root_device)
 
     @contextmanager
     @override
@@ -178,28 +125,6 @@ class ScapeStrategy(FitObjects, DDPStrategy):
             return
         with opts[0].engine.no_sync():
             yield None
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """The SCAPE step (clipping requests from ``gradient_clip_val`` apply to the synchronised gradient)."""
-        opt = unwrap_optimizer(optimizer)
-        scaler = loss_scaling.grad_scaler_of(self.precision_plugin)
-        if scaler is None or not isinstance(opt, ScapeOptimizer):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        model = model or self.lightning_module
-        assert isinstance(model, pl.LightningModule)
-        # The plain (not the mixed-precision) plugin logic: closure, hooks, clipping requests, then the SCAPE
-        # step. GradScaler's own unscale_/step would touch gradients that the engine has already sent; the
-        # engine divided the scale out in its hooks and skips non-finite steps on every rank.
-        out = Precision.optimizer_step(self.precision_plugin, opt, model=model, closure=closure, **kwargs)
-        loss_scaling.report_step_to_scaler(scaler, opt)
-        return out
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -311,16 +236,9 @@ class ScapeStrategy(FitObjects, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Sum the fit up (rank 0); remove the engine's hooks and the clipping redirect; stop the heartbeat."""
+        """Forget a checkpoint read for a fit that never set up; then the teardown of both Trainer forms."""
         self._pending_states = None
-        self._end_fit()
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """``"scape"`` (processes started like ``"ddp"``) and ``"scape_spawn"`` (like ``"ddp_spawn"``)."""
-        registry.register_strategies(cls, strategy_registry)
 
 
 ScapeStrategy.register_strategies(StrategyRegistry)

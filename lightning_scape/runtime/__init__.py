@@ -1,7 +1,13 @@
-"""A SCAPE optimizer's run inside a Lightning loop: what the Fabric and the Trainer strategies share.
+"""A SCAPE optimizer's run inside a Lightning loop: what the four strategies share, on Lightning Fabric alone.
 
-One module per concern, each used by both adapters (:mod:`lightning_scape.fabric`, :mod:`lightning_scape.pytorch`):
+The run itself is one object, :class:`~lightning_scape.runtime.scape_runtime.ScapeRuntime` (set-up objects,
+clipping, failure, notices, the end of a run); the DDP and FSDP forms differ only in how the engine holds the
+parameters (:mod:`~lightning_scape.runtime.parameter_holding`) and in their checkpoint format. The Fabric strategies
+(:mod:`lightning_scape.fabric`) and the Trainer's (:mod:`lightning_scape.pytorch`) translate Lightning's hooks into
+its calls. Nothing here imports ``lightning.pytorch``. One module per concern:
 
+* :mod:`~lightning_scape.runtime.scape_runtime`: the runtime, and the names the strategies' users call;
+* :mod:`~lightning_scape.runtime.parameter_holding`: replicated (DDP forms) or FSDP-sharded (FSDP forms) parameters;
 * :mod:`~lightning_scape.runtime.options`: the SCAPE options a strategy accepts and the process-group timeout;
 * :mod:`~lightning_scape.runtime.optimizer`: AdamW/Adam to AdamS, and the :class:`ScapeOptimizer` handed back;
 * :mod:`~lightning_scape.runtime.lr_notices`: what a converted optimizer is told about its learning rate;
@@ -9,7 +15,6 @@ One module per concern, each used by both adapters (:mod:`lightning_scape.fabric
 * :mod:`~lightning_scape.runtime.loss_scaling`: fp16 loss scaling;
 * :mod:`~lightning_scape.runtime.warmup_notice`: a schedule that does not fit the run, told once;
 * :mod:`~lightning_scape.runtime.run_summary`: what a run did, said at its end (bytes against DDP's, waiting, phases);
-* :mod:`~lightning_scape.runtime.run_notices`: the four strategies' notices and the end of their runs;
 * :mod:`~lightning_scape.runtime.setup_checks`: low-precision weights refused, a single process named;
 * :mod:`~lightning_scape.runtime.local_grads`: what is said to code that reads ``param.grad`` as DDP's average;
 * :mod:`~lightning_scape.runtime.checkpoint_protocol`: the checkpoint protocol (main file, per-rank SCAPE files);

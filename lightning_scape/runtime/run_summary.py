@@ -2,9 +2,9 @@
 collectives, and the steps of each phase (dense warm-up, density ramp, sparse).
 
 One summary for every way of running SCAPE: the strategies log it on rank 0 when a run ends
-(:class:`RunSummary`: the Trainer's teardown; Fabric's teardown or the process's exit), ``lightning-scape
-pretrain`` prints its lines inside its own summary (beside the throughput, the logs and the checkpoint), and the
-demo's table writes bytes and ratios with the same functions.
+(:class:`~lightning_scape.runtime.scape_runtime.ScapeRuntime`: the Trainer's teardown; Fabric's teardown or the
+process's exit), ``lightning-scape pretrain`` prints its lines inside its own summary (beside the throughput, the
+logs and the checkpoint), and the demo's table writes bytes and ratios with the same functions.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning.fabric.utilities.rank_zero import rank_zero_info
-
 from lightning_scape.config import DENSE_ABOVE, ScapeConfig
 from lightning_scape.engine import ScapeEngine
 from lightning_scape.planning.forms import FP32_DENSE
 from lightning_scape.planning.pilot import FormPilot
-from lightning_scape.runtime.optimizer import ScapeOptimizer
 
 # The labels of the summary's lines are padded to this width, so that their texts line up.
 LABEL_WIDTH = 15
@@ -163,35 +160,3 @@ def summary_text(engines: Sequence[ScapeEngine], baseline: str = "DDP") -> str:
             lines.append(f"  optimizer {i}:")
         lines += summary_lines(engine, baseline)
     return "\n".join(lines)
-
-
-class RunSummary:
-    """The end-of-run summary of a SCAPE strategy (a mixin of the four): :meth:`run_summary` says what SCAPE did,
-    and rank 0 logs it once when a run ends, as it logs the start-up line (``rank_zero_info``)."""
-
-    # Whether rank 0 logs the summary at the end of a run: set it to False on a strategy to leave it out.
-    log_run_summary = True
-    # What the bytes are compared with: DDP, or HSDP for ScapeFSDPStrategy, whose engines send each rank's shard
-    # across the groups.
-    _summary_baseline = "DDP"
-    _summary_given = False  # set back to False when a new run starts (a Trainer's next fit)
-
-    @property
-    def scape_optimizers(self) -> list[ScapeOptimizer]:
-        """The strategy's SCAPE optimizers (each strategy defines it)."""
-        raise NotImplementedError
-
-    def run_summary(self) -> str:
-        """What SCAPE did in the run so far, as rank 0 logs it at its end: the bytes this process sent against what
-        DDP (HSDP for ``ScapeFSDPStrategy``) would have sent, the time it waited on SCAPE's collectives, and the
-        steps of each phase (dense warm-up, density ramp, sparse); counted since the run began, a resumed run
-        included."""
-        return summary_text([opt.engine for opt in self.scape_optimizers], self._summary_baseline)
-
-    def _log_run_summary(self) -> None:
-        """Log :meth:`run_summary` on rank 0, once per run, if the run stepped and ``log_run_summary`` is on."""
-        engines = [opt.engine for opt in self.scape_optimizers if opt.engine.step_count > 0]
-        if self._summary_given or not self.log_run_summary or not engines:
-            return
-        self._summary_given = True
-        rank_zero_info(summary_text(engines, self._summary_baseline))
