@@ -27,40 +27,6 @@ if TYPE_CHECKING:
     from torch.amp import GradScaler
 
 
-class ParameterHolding(Protocol):
-    """What :class:`~lightning_scape.runtime.scape_runtime.ScapeRuntime` needs of a form."""
-
-    # What the summary compares the bytes sent with: what the form's dense counterpart sends.
-    baseline: str
-
-    def ranks(self) -> int | None:
-        """The ranks SCAPE runs across (the processes, or the groups), None until the processes are set up."""
-        ...
-
-    def build(
-        self,
-        optimizer: Optimizer,
-        module: Module | None,
-        config: ScapeConfig,
-        settings: RunSettings,
-        scaler: GradScaler | None,
-    ) -> ScapeOptimizer:
-        """The user's ``optimizer`` as a :class:`ScapeOptimizer` whose engine holds ``module``'s parameters."""
-        ...
-
-    def global_norm(self, optimizer: ScapeOptimizer) -> float:
-        """The global L2 norm of the coming step's synchronised gradient, over the whole model."""
-        ...
-
-    def request_global_clip(self, optimizer: ScapeOptimizer, max_norm: float) -> float:
-        """Clip the coming step to global norm ``max_norm``; returns the norm before clipping."""
-        ...
-
-    def close(self) -> None:
-        """The end of a run: remove what the holding hooked into the model."""
-        ...
-
-
 class _Processes(Protocol):
     @property
     def world_size(self) -> int:
@@ -79,6 +45,7 @@ class ReplicatedParameters:
         self._strategy = strategy
 
     def ranks(self) -> int | None:
+        """The ranks SCAPE runs across (the processes, or the groups), None until the processes are set up."""
         return self._strategy.world_size
 
     def build(
@@ -89,17 +56,22 @@ class ReplicatedParameters:
         settings: RunSettings,
         scaler: GradScaler | None,
     ) -> ScapeOptimizer:
+        """The user's ``optimizer`` as a :class:`ScapeOptimizer` whose engine holds ``module``'s parameters (None:
+        the parameters in param-group order; ``scaler``: fp16 mixed precision's enabled ``GradScaler``)."""
         return engine_setup.build_scape_optimizer(optimizer, config, module, scaler, settings)
 
     def global_norm(self, optimizer: ScapeOptimizer) -> float:
+        """The global L2 norm of the coming step's synchronised gradient, over the whole model."""
         return optimizer.engine.global_grad_norm()  # this rank's engine holds the whole gradient
 
     def request_global_clip(self, optimizer: ScapeOptimizer, max_norm: float) -> float:
+        """Clip the coming step to global norm ``max_norm``; returns the norm before clipping."""
         norm = self.global_norm(optimizer)
         optimizer.request_clip(max_norm=max_norm)
         return norm
 
     def close(self) -> None:
+        """The end of a run: remove what the holding hooked into the model."""
         return None
 
 
@@ -165,3 +137,9 @@ class ShardedParameters:
         for binding in self.bindings:
             binding.detach()
         self.bindings.clear()
+
+
+# What :class:`~lightning_scape.runtime.scape_runtime.ScapeRuntime` asks of a form: ``baseline`` (what the summary
+# compares the bytes sent with), ``ranks()``, ``build(...)``, ``global_norm(...)``, ``request_global_clip(...)``
+# and ``close()``, as :class:`ReplicatedParameters` documents them.
+ParameterHolding = ReplicatedParameters | ShardedParameters
