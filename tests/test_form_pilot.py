@@ -21,13 +21,12 @@ from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator, Wire
 from lightning_scape.comm.wire import all_gather_bytes, all_reduce_bytes
 from lightning_scape.engine.layout import Bucket
-from lightning_scape.planning import forms, pilot
+from lightning_scape.planning import forms, pilot, run_summary
 from lightning_scape.planning.forms import FP32_DENSE, INT8_DENSE, Form
 from lightning_scape.planning.network import Cluster, Link
 from lightning_scape.planning.run_traffic import dense_step_bytes
 from lightning_scape.planning.traffic import parameter_groups, scape_layout
 from lightning_scape.pytorch.monitors import form_metrics
-from lightning_scape.runtime import run_summary
 
 CONFIG = ScapeConfig(chunk_size=64, dense_warmup_steps=4, density_ramp_steps=3)  # SCAPE chooses the form
 SLOW, FAST = Link(1e5, 0.0, 1.0), Link(1e13, 0.0, 1.0)

@@ -51,9 +51,8 @@ from lightning_scape import (
 from lightning_scape.comm import Communicator
 from lightning_scape.examples.workloads import free_port
 from lightning_scape.kernels import mask_positions
-from lightning_scape.planning import pilot
+from lightning_scape.planning import pilot, run_summary
 from lightning_scape.pytorch import ScapeFSDPStrategy as TrainerFSDPStrategy
-from lightning_scape.runtime import run_summary
 from lightning_scape.runtime.fsdp import DTENSOR_CPU_INIT_WARNING
 
 pytestmark = pytest.mark.dist

@@ -45,7 +45,7 @@ from torch import Tensor
 import lightning_scape
 from lightning_scape import AdamS, DenseWarmupWarning, ScapeEngine
 from lightning_scape.examples.workloads import free_port
-from lightning_scape.runtime import run_summary
+from lightning_scape.planning import run_summary
 
 pytestmark = pytest.mark.dist
 

@@ -13,7 +13,7 @@ from helpers import make_net, rank_zero_messages
 
 from lightning_scape import AdamS, ScapeConfig, ScapeEngine, simulate
 from lightning_scape.comm import Communicator
-from lightning_scape.runtime import run_summary
+from lightning_scape.planning import run_summary
 from lightning_scape.runtime.options import RunSettings
 from lightning_scape.runtime.parameter_holding import ReplicatedParameters
 from lightning_scape.runtime.scape_runtime import ScapeRuntime

@@ -46,7 +46,7 @@ from lightning.fabric.plugins.precision.amp import MixedPrecision
 
 from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig, ScapeStrategy
 from lightning_scape.examples.workloads import free_port
-from lightning_scape.runtime import run_summary
+from lightning_scape.planning import run_summary
 
 pytestmark = pytest.mark.dist
 

@@ -52,8 +52,8 @@ from torch.utils.data import DataLoader
 from lightning_scape import CommunicationMonitor, MaskMonitor, ScapeConfig
 from lightning_scape.engine import feedback
 from lightning_scape.examples.workloads import free_port
+from lightning_scape.planning import run_summary
 from lightning_scape.pytorch import ScapeStrategy
-from lightning_scape.runtime import run_summary
 
 pytestmark = pytest.mark.dist
 

@@ -52,7 +52,7 @@ from lightning_scape.examples.workloads import (
 )
 from lightning_scape.fabric.strategy import ScapeStrategy
 from lightning_scape.litgpt.data import TextFolder, TokenizerKind
-from lightning_scape.runtime.run_summary import format_bytes, times_fewer
+from lightning_scape.planning.run_summary import format_bytes, times_fewer
 from lightning_scape.warnings import DenseWarmupWarning
 
 WORLD_SIZE = 2

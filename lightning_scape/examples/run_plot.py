@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_scape.runtime.run_summary import format_bytes, times_fewer
+from lightning_scape.planning.run_summary import format_bytes, times_fewer
 
 SENT_KEY = "comm/sent_bytes"
 DDP_KEY = "comm/dense_equivalent_bytes"

@@ -37,8 +37,8 @@ from litgpt.args import EvalArgs, LogArgs, TrainArgs
 
 from lightning_scape.config import REMOVED_OPTIONS, ScapeConfig
 from lightning_scape.litgpt.litgpt_adaptations import litgpt_adapted
+from lightning_scape.planning.run_summary import summary_line, summary_lines
 from lightning_scape.runtime.options import DEFAULT_TIMEOUT, RunSettings
-from lightning_scape.runtime.run_summary import summary_line, summary_lines
 
 if TYPE_CHECKING:
     import lightning as L

@@ -14,6 +14,10 @@ against measured").
 * :mod:`~lightning_scape.planning.estimate`: all of it for one cluster, and a recommendation;
 * :mod:`~lightning_scape.planning.measure`: a short dry run that measures the compute on this machine;
 * :mod:`~lightning_scape.planning.report`: the printed text.
+
+And for a run under way: :mod:`~lightning_scape.planning.forms` and :mod:`~lightning_scape.planning.pilot` (the form
+SCAPE chooses from the link it measures), :mod:`~lightning_scape.planning.run_traffic` (the bytes a whole run sends)
+and :mod:`~lightning_scape.planning.run_summary` (what a run did, said at its end).
 """
 
 from lightning_scape.planning.estimate import (

@@ -14,7 +14,6 @@ its calls. Nothing here imports ``lightning.pytorch``. One module per concern:
 * :mod:`~lightning_scape.runtime.engine_setup`: rank 0's weights everywhere, the engine, its log line;
 * :mod:`~lightning_scape.runtime.loss_scaling`: fp16 loss scaling;
 * :mod:`~lightning_scape.runtime.warmup_notice`: a schedule that does not fit the run, told once;
-* :mod:`~lightning_scape.runtime.run_summary`: what a run did, said at its end (bytes against DDP's, waiting, phases);
 * :mod:`~lightning_scape.runtime.setup_checks`: low-precision weights refused, a single process named;
 * :mod:`~lightning_scape.runtime.local_grads`: what is said to code that reads ``param.grad`` as DDP's average;
 * :mod:`~lightning_scape.runtime.checkpoint_protocol`: the checkpoint protocol (main file, per-rank SCAPE files);
@@ -25,5 +24,6 @@ its calls. Nothing here imports ``lightning.pytorch``. One module per concern:
 * :mod:`~lightning_scape.runtime.fsdp_checkpoint`: its checkpoint folders (one file per rank and ``meta.pt``).
 
 Below it, without Lightning: :mod:`lightning_scape.comm.rank_failures` (a failure on any rank agreed on and reported
-once, by rank 0) and :mod:`lightning_scape.planning.run_traffic` (the bytes a whole run sends, SCAPE's and DDP's).
+once, by rank 0), :mod:`lightning_scape.planning.run_traffic` (the bytes a whole run sends, SCAPE's and DDP's) and
+:mod:`lightning_scape.planning.run_summary` (what a run did, said at its end).
 """

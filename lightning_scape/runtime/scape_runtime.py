@@ -23,11 +23,11 @@ from torch.optim import Optimizer
 
 from lightning_scape.config import ScapeConfig
 from lightning_scape.engine import ScapeEngine
+from lightning_scape.planning.run_summary import summary_text
 from lightning_scape.runtime import engine_setup, registry
 from lightning_scape.runtime.optimizer import ScapeOptimizer, unwrap_optimizer
 from lightning_scape.runtime.options import RunSettings
 from lightning_scape.runtime.parameter_holding import ParameterHolding
-from lightning_scape.runtime.run_summary import summary_text
 from lightning_scape.runtime.warmup_notice import Syntax, WarmupNotice, call_at_exit
 
 if TYPE_CHECKING:
