@@ -45,13 +45,16 @@ class ScapeRuntime:
         holding: ParameterHolding,
         setup_call: str | None = None,
     ) -> None:
-        """Args:
-        owner: The strategy's class name, for messages.
-        config: The SCAPE configuration.
-        settings: The strategy's timeout and load setting.
-        holding: How the form's engines hold the parameters.
-        setup_call: Fabric's call that sets an optimizer up (for the error before one is); None under the Trainer,
-            whose runs are fits: each fit's optimizer replaces the last, and its end is the strategy's teardown.
+        """The runtime of one strategy, built in its constructor.
+
+        Args:
+            owner: The strategy's class name, for messages.
+            config: The SCAPE configuration.
+            settings: The strategy's timeout and load setting.
+            holding: How the form's engines hold the parameters.
+            setup_call: Fabric's call that sets an optimizer up (for the error before one is); None under the
+                Trainer, whose runs are fits: each fit's optimizer replaces the last, and its end is the strategy's
+                teardown.
         """
         self.owner = owner
         self.config = config
