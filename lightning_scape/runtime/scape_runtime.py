@@ -284,6 +284,8 @@ class RuntimeFacade:
 
         What DDP users compute from ``param.grad``, which here holds this rank's own gradient
         (``docs/lightning.md``). It finishes the step's synchronisation early, at no cost when the step follows.
+        Under ``ScapeFSDPStrategy`` it adds the shards' parts with one all-reduce over the shard group: call it on
+        every rank, not under ``if trainer.is_global_zero``.
         """
         return torch.tensor(self.scape_runtime.global_grad_norm(), device=self.root_device)
 
