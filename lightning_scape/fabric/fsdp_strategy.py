@@ -150,8 +150,6 @@ class ScapeFSDPStrategy(FabricRuntimeHooks, ModelParallelStrategy):
         with rank_failures.agreed("Setting up the optimizer for ScapeFSDPStrategy"):  # reported once, by rank 0
             return runtime.set_up(optimizer, runtime.module_of(optimizer))
 
-    # ----------------------------------------------------------------------------------------- a step
-
     # ------------------------------------------------------------------------------------- checkpoints
 
     @override

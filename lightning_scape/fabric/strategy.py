@@ -134,8 +134,6 @@ class ScapeStrategy(FabricRuntimeHooks, DDPStrategy):
         with rank_failures.agreed("Setting up the optimizer for ScapeStrategy"):
             return runtime.set_up(optimizer, runtime.module_of(optimizer), loss_scaling.grad_scaler_of(self.precision))
 
-    # ----------------------------------------------------------------------------------------- a step
-
     # ------------------------------------------------------------------------------------- checkpoints
 
     @override
