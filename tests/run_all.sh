@@ -7,8 +7,5 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
-# The package is installed editable and the environment may set PYTHONDONTWRITEBYTECODE: without this, each of the
-# hundreds of processes the tests start compiles the package's source again (about 0.2 s each here).
-.venv/bin/python -m compileall -q lightning_scape tests benchmarks > /dev/null
 .venv/bin/python -m pytest -q -m "not dist" -n 2
 .venv/bin/python -m pytest -q -m dist -n 2 --dist loadfile
