@@ -30,7 +30,7 @@ def redirect(plugin: Precision, runtime: ScapeRuntime) -> None:
         if GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.VALUE:
             runtime.clip_value(optimizer, float(clip_val))
         else:  # as Lightning's own clipping by norm, a non-finite norm is not an error
-            runtime.clip_norm(optimizer, float(clip_val), error_if_nonfinite=False)
+            runtime.request_norm_clip(optimizer, float(clip_val))
 
     plugin.clip_gradients = MethodType(clip_gradients, plugin)  # type: ignore[method-assign]
 

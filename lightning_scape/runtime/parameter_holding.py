@@ -67,8 +67,13 @@ class ReplicatedParameters:
     def request_global_clip(self, optimizer: ScapeOptimizer, max_norm: float) -> float:
         """Clip the coming step to global norm ``max_norm``; returns the norm before clipping."""
         norm = self.global_norm(optimizer)
-        optimizer.request_clip(max_norm=max_norm)
+        self.request_clip(optimizer, max_norm)
         return norm
+
+    def request_clip(self, optimizer: ScapeOptimizer, max_norm: float) -> None:
+        """:meth:`request_global_clip` where the norm is not wanted: the step computes it where it clips, so none is
+        computed (nor read to the host) ahead of it."""
+        optimizer.request_clip(max_norm=max_norm)
 
     def close(self) -> None:
         """The end of a run: remove what the holding hooked into the model."""
@@ -133,6 +138,9 @@ class ShardedParameters:
         shard_group = self._mesh["shard"].get_group()
         return fsdp.request_global_clip(optimizer, max_norm, shard_group, self.grid.shard_size)
 
+    def request_clip(self, optimizer: ScapeOptimizer, max_norm: float) -> None:
+        self.request_global_clip(optimizer, max_norm)  # each shard's clip is set from the global norm
+
     def close(self) -> None:
         for binding in self.bindings:
             binding.detach()
@@ -140,6 +148,6 @@ class ShardedParameters:
 
 
 # What :class:`~lightning_scape.runtime.scape_runtime.ScapeRuntime` asks of a form: ``baseline`` (what the summary
-# compares the bytes sent with), ``ranks()``, ``build(...)``, ``global_norm(...)``, ``request_global_clip(...)``
-# and ``close()``, as :class:`ReplicatedParameters` documents them.
+# compares the bytes sent with), ``ranks()``, ``build(...)``, ``global_norm(...)``, ``request_global_clip(...)``,
+# ``request_clip(...)`` and ``close()``, as :class:`ReplicatedParameters` documents them.
 ParameterHolding = ReplicatedParameters | ShardedParameters

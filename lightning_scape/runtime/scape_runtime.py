@@ -173,6 +173,11 @@ class ScapeRuntime:
             )
         return norm
 
+    def request_norm_clip(self, optimizer: Any, max_norm: float) -> None:
+        """Clip the coming step to global norm ``max_norm`` without returning the norm (the Trainer's
+        ``gradient_clip_val``): the replicated form then computes none ahead of the step."""
+        self.holding.request_clip(self.optimizer_of(optimizer), float(max_norm))
+
     def clip_value(self, optimizer: Any, clip_val: float) -> None:
         """Clamp every synchronised gradient value of the coming step to ``[-clip_val, clip_val]``."""
         self.optimizer_of(optimizer).request_clip(clip_value=float(clip_val))
